@@ -1,0 +1,41 @@
+"""Flask-Idempotency: safe retries for mutating endpoints with the Idempotency-Key header.
+
+    from flask_idempotency import Idempotency, idempotent
+
+    idempotency = Idempotency(app)
+
+    @app.post("/payments")
+    @idempotent
+    def create_payment(): ...
+"""
+
+from __future__ import annotations
+
+from . import signals
+from .config import ConfigVars
+from .decorators import idempotent, release_claim
+from .extension import Idempotency
+from .problems import (
+    IdempotencyProblem,
+    InvalidKeyProblem,
+    KeyReused,
+    MissingKey,
+    RequestInProgress,
+    StoreUnavailable,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigVars",
+    "Idempotency",
+    "IdempotencyProblem",
+    "InvalidKeyProblem",
+    "KeyReused",
+    "MissingKey",
+    "RequestInProgress",
+    "StoreUnavailable",
+    "idempotent",
+    "release_claim",
+    "signals",
+]

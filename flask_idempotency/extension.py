@@ -1,0 +1,202 @@
+"""The ``Idempotency`` extension object: configuration, wiring, per-app state."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask, current_app, got_request_exception, request
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import StaticPool
+
+from . import lifecycle
+from .cache import NoCache, ResponseCache
+from .config import EffectiveOptions, RouteOptions, Settings
+from .fingerprint import default_scope
+from .store import DurableStore
+from .wakeup import WakeupHub
+
+EXTENSION_NAME = "idempotency"
+
+
+@dataclasses.dataclass
+class AppState:
+    """Everything the extension keeps for one app, in ``app.extensions["idempotency"]``."""
+
+    extension: Idempotency
+    settings: Settings
+    store: DurableStore
+    cache: ResponseCache
+    wakeups: WakeupHub
+    _options: dict[RouteOptions, EffectiveOptions] = dataclasses.field(default_factory=dict)
+
+    def effective_options(self, route: RouteOptions) -> EffectiveOptions:
+        options = self._options.get(route)
+        if options is None:
+            options = self._options[route] = EffectiveOptions.merge(self.settings, route)
+        return options
+
+    def scope_for_request(self) -> str:
+        """The scope of the current request: the registered loader's, else the default (C5)."""
+        loader = self.extension._scope_loader
+        if loader is not None:
+            scope = loader()
+            if scope is not None and str(scope) != "":
+                return "scope:" + str(scope)
+        return default_scope(request)
+
+
+class Idempotency:
+    """Idempotency-Key handling for the views marked ``@idempotent``.
+
+    ``db`` is a Flask-SQLAlchemy instance: the records table is defined on its
+    metadata (so ``flask db migrate`` sees it) and its engine is the store.
+    ``engine`` is a SQLAlchemy engine to use instead. ``redis`` is a ready Redis
+    client for the cache tier and wake-ups. Constructor arguments win over
+    ``app.config``.
+    """
+
+    def __init__(
+        self,
+        app: Flask | None = None,
+        *,
+        db: Any = None,
+        redis: Any = None,
+        engine: Engine | None = None,
+    ) -> None:
+        self._db = db
+        self._redis = redis
+        self._engine = engine
+        self._scope_loader: Callable[[], Any] | None = None
+        if app is not None:
+            self.init_app(app)
+
+    def init_app(self, app: Flask) -> None:
+        """Register the request hooks, the CLI and this app's store."""
+        existing = app.extensions.get(EXTENSION_NAME)
+        if existing is not None:
+            if existing.extension is self:
+                return
+            raise RuntimeError(
+                "Another Idempotency instance is already registered on this app."
+            )
+        settings = Settings.from_config(app.config)
+        store = self._build_store(app, settings)
+        wakeups = WakeupHub(max_waiters=settings.max_waiters)
+        cache = self._build_cache(app, settings, wakeups)
+        app.extensions[EXTENSION_NAME] = AppState(self, settings, store, cache, wakeups)
+        app.before_request(lifecycle.before_request)
+        app.after_request(lifecycle.after_request)
+        app.teardown_request(lifecycle.teardown_request)
+        got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
+        from .cli import idempotency_cli
+
+        app.cli.add_command(idempotency_cli)
+
+    def scope_loader(self, func: Callable[[], Any]) -> Callable[[], Any]:
+        """Register the function that names whose key this is: tenant, account or user (C5)."""
+        self._scope_loader = func
+        return func
+
+    # -- per-app access ---------------------------------------------------------------
+
+    @property
+    def state(self) -> AppState:
+        """This extension's state on the current app."""
+        state = current_app.extensions.get(EXTENSION_NAME)
+        if state is None or state.extension is not self:
+            raise RuntimeError(
+                "Flask-Idempotency is not registered on the current app."
+                " Did you forget to call init_app(app)?"
+            )
+        return state  # type: ignore[no-any-return]
+
+    @property
+    def store(self) -> DurableStore:
+        """The durable store of the current app."""
+        return self.state.store
+
+    # -- building the tiers ---------------------------------------------------------
+
+    def _build_store(self, app: Flask, settings: Settings) -> DurableStore:
+        metadata = self._db.metadata if self._db is not None else None
+        create_table = settings.create_table
+        if self._engine is not None:
+            engine = self._engine
+            factory: Callable[[], Engine] = lambda: engine  # noqa: E731
+        elif self._db is not None:
+            db = self._db
+
+            def factory() -> Engine:
+                with app.app_context():
+                    return db.engine  # type: ignore[no-any-return]
+
+        else:
+            uri = settings.database_uri
+            if uri is None:
+                os.makedirs(app.instance_path, exist_ok=True)
+                uri = "sqlite:///" + os.path.join(app.instance_path, "idempotency.sqlite3")
+                if create_table is None:
+                    create_table = True  # the embedded default sets itself up
+            factory = _lazy_engine(uri)
+        return DurableStore(
+            factory,
+            metadata=metadata,
+            table_name=settings.table,
+            create_table=bool(create_table),
+        )
+
+    def _build_cache(self, app: Flask, settings: Settings, wakeups: WakeupHub) -> ResponseCache:
+        if self._redis is None and not settings.redis_url:
+            return NoCache()
+        from .redis_tier import RedisTier
+
+        tier = RedisTier.from_settings(settings, client=self._redis)
+        wakeups.channel = tier
+        return tier
+
+
+def _lazy_engine(uri: str) -> Callable[[], Engine]:
+    lock = threading.Lock()
+    engine: list[Engine] = []
+
+    def factory() -> Engine:
+        with lock:
+            if not engine:
+                engine.append(create_store_engine(uri))
+            return engine[0]
+
+    return factory
+
+
+def create_store_engine(uri: str, **options: Any) -> Engine:
+    """An engine tuned for the store: fail fast when the database is unreachable (C25)."""
+    url = make_url(uri)
+    backend = url.get_backend_name()
+    kwargs: dict[str, Any] = {}
+    if backend == "postgresql":
+        if url.get_driver_name() in ("psycopg2", ""):
+            kwargs["connect_args"] = {"connect_timeout": 3}
+        kwargs["pool_size"] = 10
+        kwargs["max_overflow"] = 20
+        kwargs["pool_timeout"] = 5
+    elif backend == "sqlite":
+        kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
+        if url.database in (None, "", ":memory:"):
+            kwargs["poolclass"] = StaticPool
+    kwargs.update(options)
+    engine = create_engine(url, **kwargs)
+    if backend == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()

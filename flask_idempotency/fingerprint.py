@@ -1,0 +1,150 @@
+"""What makes two requests "the same request" (CONTRACT C5–C7, C31).
+
+The fingerprint is SHA-256 over the method, the URL rule with its values, the
+sorted query string and a canonical body: JSON with sorted keys and no
+insignificant whitespace, forms as sorted fields, anything else as raw bytes.
+Each part is length-prefixed so that no two different requests can run together
+into the same byte string.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from typing import IO, Any
+
+from flask import Request
+
+#: Bumped whenever the canonical form changes, so old records never match by accident.
+FINGERPRINT_VERSION = b"fp1"
+ANONYMOUS_SCOPE = "anonymous"
+_CHUNK = 64 * 1024
+#: Raw bodies up to this size are hashed in memory; larger ones spill to disk.
+_SPOOL_IN_MEMORY = 1024 * 1024
+
+
+def key_digest(scope: str, key: str) -> str:
+    """The name of a record everywhere outside the request: database, Redis, logs (C22, C30)."""
+    return _digest(b"key1", scope.encode("utf-8"), key.encode("utf-8"))
+
+
+def default_scope(request: Request) -> str:
+    """Scope when no ``scope_loader`` is registered: a digest of ``Authorization``.
+
+    Requests without credentials share the scope ``anonymous``: any client that
+    guesses another's key could then read its response, so register a
+    ``scope_loader`` that names the tenant or user.
+    """
+    authorization = request.headers.get("Authorization")
+    if not authorization:
+        return ANONYMOUS_SCOPE
+    return "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
+
+
+def request_fingerprint(request: Request) -> str:
+    """SHA-256 over method, route, query and canonical body, as hex (C6)."""
+    rule = request.url_rule.rule if request.url_rule is not None else request.path
+    view_args = json.dumps(request.view_args or {}, sort_keys=True, default=str)
+    query = sorted(request.args.items(multi=True))
+    body = hashlib.sha256()
+    _hash_body(request, body)
+    return _digest(
+        FINGERPRINT_VERSION,
+        request.method.encode("ascii"),
+        rule.encode("utf-8"),
+        view_args.encode("utf-8"),
+        json.dumps(query, separators=(",", ":")).encode("utf-8"),
+        body.digest(),
+    )
+
+
+def _hash_body(request: Request, body: Any) -> None:
+    mimetype = request.mimetype
+    if mimetype == "application/json" or mimetype.endswith("+json"):
+        data = request.get_data(cache=True)
+        canonical = _canonical_json(data)
+        body.update(b"json:" if canonical is not None else b"raw:")
+        body.update(canonical if canonical is not None else data)
+    elif mimetype == "application/x-www-form-urlencoded":
+        body.update(b"form:")
+        body.update(_canonical_fields(request, with_files=False))
+    elif mimetype == "multipart/form-data":
+        body.update(b"multipart:")
+        body.update(_canonical_fields(request, with_files=True))
+    else:
+        body.update(b"raw:")
+        _hash_raw_stream(request, body)
+
+
+def _canonical_json(data: bytes) -> bytes | None:
+    """Sorted keys, no whitespace; ``None`` when the body is not valid JSON.
+
+    Malformed JSON is fingerprinted as raw bytes and the view decides what to
+    answer: the idempotency layer never turns a client's bad JSON into a 500.
+    """
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    try:
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True
+        ).encode("utf-8")
+    except (ValueError, RecursionError):  # pragma: no cover - loads() output always dumps
+        return None
+
+
+def _canonical_fields(request: Request, *, with_files: bool) -> bytes:
+    fields: list[list[str]] = [["f", k, v] for k, v in request.form.items(multi=True)]
+    if with_files:
+        for name, upload in request.files.items(multi=True):
+            content = hashlib.sha256()
+            stream = upload.stream
+            for chunk in iter(lambda: stream.read(_CHUNK), b""):
+                content.update(chunk)
+            stream.seek(0)
+            fields.append(
+                ["file", name, upload.filename or "", upload.mimetype, content.hexdigest()]
+            )
+    fields.sort()
+    return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _hash_raw_stream(request: Request, body: Any) -> None:
+    """Hash the body while spooling it, then hand the view the spooled copy.
+
+    The body is read once through Werkzeug's guarded stream (so the app's
+    ``MAX_CONTENT_LENGTH`` applies, C31), hashed chunk by chunk, and kept in one
+    place only: memory for small bodies, a temporary file for large ones.
+    """
+    cached = getattr(request, "_cached_data", None)
+    if cached is not None:
+        body.update(cached)
+        return
+    stream = request.stream
+    spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY)
+    for chunk in iter(lambda: stream.read(_CHUNK), b""):
+        body.update(chunk)
+        spool.write(chunk)
+    spool.seek(0)
+    request.__dict__["stream"] = spool
+    request.close = _closing(request.close, spool)  # type: ignore[method-assign]
+
+
+def _closing(close: Any, spool: IO[bytes]) -> Any:
+    def close_both() -> None:
+        try:
+            close()
+        finally:
+            spool.close()
+
+    return close_both
+
+
+def _digest(*parts: bytes) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "big"))
+        digest.update(part)
+    return digest.hexdigest()

@@ -1,0 +1,356 @@
+"""The request lifecycle: decide before the view, settle after it (CONTRACT §3).
+
+    before_request    parse key → scope + fingerprint → cache → durable claim
+                      → replay | 422 | park and re-check | own the record
+    after_request     store the response (fenced) → promote → wake waiters,
+                      or release the claim
+    teardown_request  release whatever an exception or abort() left behind (C15)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from flask import Response, current_app, g, request
+
+from . import signals
+from .config import TRANSIENT_STATUSES, EffectiveOptions, RouteOptions
+from .fingerprint import key_digest, request_fingerprint
+from .keys import InvalidKey, parse_key
+from .problems import InvalidKeyProblem, KeyReused, MissingKey, RequestInProgress, StoreUnavailable
+from .records import COMPLETED, IN_PROGRESS, Claim, Completed, Identity, Record
+from .responses import capture, replay
+from .store import StoreError
+from .wakeup import PollSchedule, TooManyWaiters
+
+if TYPE_CHECKING:
+    from .extension import AppState
+
+log = logging.getLogger("flask_idempotency")
+
+#: Attribute ``@idempotent`` sets on a view function.
+ROUTE_OPTIONS_ATTR = "__idempotency_options__"
+#: Header on a response the view produced without protection (``IDEMPOTENCY_FAIL_OPEN``).
+UNPROTECTED_HEADER = "Idempotency-Unprotected"
+#: A cached record this close to its expiry counts as a miss (clock skew, race X13).
+_CACHE_SKEW_MS = 5000
+_STORE_RETRY_AFTER = 3.0
+
+
+@dataclasses.dataclass
+class Ownership:
+    """This request owns a record; it must end stored or released (C15)."""
+
+    ident: Identity
+    claim: Claim
+    options: EffectiveOptions
+    started: float
+    release_requested: bool = False
+    failed: bool = False
+    settled: bool = False
+
+
+@dataclasses.dataclass
+class _Decision:
+    """One protected request while the layer decides what to do with it."""
+
+    state: AppState
+    ident: Identity
+    options: EffectiveOptions
+    started: float
+    source: str = "database"
+
+
+# -- before the view ------------------------------------------------------------------
+
+
+def before_request() -> Response | None:
+    state: AppState = current_app.extensions["idempotency"]
+    route = _route_options()
+    if route is None:
+        return None
+    options = state.effective_options(route)
+    if request.method not in options.methods:
+        return None  # C1: a key on another method is ignored
+    started = time.perf_counter()
+    settings = state.settings
+    try:
+        key = parse_key(
+            request.headers.getlist(settings.header),
+            strict=settings.strict_header,
+            max_length=settings.key_max_length,
+        )
+    except InvalidKey as exc:
+        raise InvalidKeyProblem(str(exc)) from None  # C3
+    if key is None:
+        if options.required:
+            raise MissingKey(f"This endpoint requires an {settings.header} header.")  # C4
+        return None
+    scope = state.scope_for_request()
+    ident = Identity(
+        scope=scope,
+        key_digest=key_digest(scope, key),
+        fingerprint=request_fingerprint(request),
+        method=request.method,
+        path=request.path,
+    )
+    decision = _Decision(state, ident, options, started)
+    try:
+        return _decide(decision)
+    except StoreError as exc:
+        return _store_down(decision, exc)
+
+
+def _route_options() -> RouteOptions | None:
+    endpoint = request.endpoint
+    if endpoint is None:
+        return None
+    view = current_app.view_functions.get(endpoint)
+    return getattr(view, ROUTE_OPTIONS_ATTR, None)
+
+
+def _decide(decision: _Decision) -> Response | None:
+    outcome = _look_up(decision)
+    if _in_flight(decision, outcome):
+        outcome = _wait_for_original(decision, outcome)  # type: ignore[arg-type]
+    return _answer(decision, outcome)
+
+
+def _look_up(decision: _Decision) -> Claim | Completed | Record:
+    """Cache first (completed records only), then claim or read the durable record."""
+    digest = decision.ident.key_digest
+    cached = decision.state.cache.get(digest)
+    if cached is not None and cached.expires_at_ms - _CACHE_SKEW_MS > time.time() * 1000:
+        decision.source = "cache"
+        return cached
+    outcome = decision.state.store.acquire(
+        decision.ident, ttl=decision.options.ttl, lease=decision.options.lease
+    )
+    if isinstance(outcome, Record) and outcome.state == COMPLETED:
+        decision.source = "database"
+        completed = outcome.completed()
+        decision.state.cache.promote(digest, completed, publish=False)  # read-through (C23)
+        return completed
+    return outcome
+
+
+def _in_flight(decision: _Decision, outcome: Claim | Completed | Record) -> bool:
+    return (
+        isinstance(outcome, Record)
+        and outcome.state == IN_PROGRESS
+        and outcome.fingerprint == decision.ident.fingerprint
+    )
+
+
+def _wait_for_original(decision: _Decision, record: Record) -> Claim | Completed | Record:
+    """Park until the original finishes, then re-check (C10–C12).
+
+    Registered first, checked second: a completion between our last read and
+    the wait still wakes us (X1). Each wake-up or poll tick re-reads the
+    record; a released record is claimed by whichever waiter gets there first.
+    """
+    wait = decision.options.wait
+    if wait <= 0:
+        return record
+    hub = decision.state.wakeups
+    deadline = time.monotonic() + wait
+    parked_at = time.perf_counter()
+    outcome: Claim | Completed | Record = record
+    try:
+        with hub.parked(decision.ident.key_digest) as parked:
+            polls = PollSchedule(cap=1.0 if hub.cross_process_live else 0.5)
+            while True:
+                outcome = _look_up(decision)
+                if not _in_flight(decision, outcome):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                parked.wait(min(remaining, polls.next()))
+    except TooManyWaiters:
+        log.warning("idempotency: too many parked requests in this process; answering 409")
+    _emit(
+        signals.request_waited,
+        decision,
+        waited=time.perf_counter() - parked_at,
+        outcome=type(outcome).__name__.lower(),
+    )
+    return outcome
+
+
+def _answer(decision: _Decision, outcome: Claim | Completed | Record) -> Response | None:
+    if isinstance(outcome, Claim):
+        _own(decision, outcome)
+        return None  # the view runs
+    if outcome.fingerprint != decision.ident.fingerprint:
+        _emit(signals.key_mismatch, decision)
+        raise KeyReused(
+            "This Idempotency-Key was already used with a different request"
+            " (another body, query, method or route). Use a new key for a new request."
+        )  # C7
+    if isinstance(outcome, Completed):
+        _emit(
+            signals.request_replayed,
+            decision,
+            source=decision.source,
+            status=outcome.response.status,
+        )
+        return replay(outcome, decision.state.settings)  # C9
+    _emit(signals.request_conflict, decision)
+    raise RequestInProgress(
+        "A request with this Idempotency-Key is still being processed."
+        " Retry later with the same key and body.",
+        retry_after=min(outcome.lease_remaining, max(1.0, decision.options.wait)),
+    )  # C11
+
+
+def _own(decision: _Decision, claim: Claim) -> None:
+    if claim.how == "replaced":
+        decision.state.cache.discard(decision.ident.key_digest)  # an old copy must not replay
+    elif claim.how == "taken_over":
+        _emit(signals.lease_taken_over, decision)
+    g._idempotency = Ownership(decision.ident, claim, decision.options, decision.started)
+    _emit(signals.request_executed, decision, how=claim.how)
+
+
+def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
+    settings = decision.state.settings
+    log.warning(
+        "idempotency: durable store unavailable (%s) for key %s",
+        exc,
+        decision.ident.key_digest[:16],
+    )
+    _emit(signals.store_error, decision, tier="database", error=str(exc), action="claim")
+    if settings.fail_open:
+        g._idempotency_unprotected = True
+        return None
+    raise StoreUnavailable(
+        "The idempotency store is unavailable, so the request was not processed."
+        " Retry later with the same key.",
+        retry_after=_STORE_RETRY_AFTER,
+    )  # C25
+
+
+# -- after the view --------------------------------------------------------------------
+
+
+def after_request(response: Response) -> Response:
+    if g.pop("_idempotency_unprotected", False):
+        response.headers[UNPROTECTED_HEADER] = "store-unavailable"
+    own: Ownership | None = g.get("_idempotency")
+    if own is None or own.settled:
+        return response
+    own.settled = True
+    reason = _release_reason(own, response.status_code)
+    if reason is not None:
+        _release(own, reason, response.status_code)
+    else:
+        _store(own, response)
+    return response
+
+
+def _release_reason(own: Ownership, status: int) -> str | None:
+    """Why this outcome must not be stored, or ``None`` to store it (C16–C19)."""
+    if own.release_requested:
+        return "view"
+    if own.failed:
+        return "exception"
+    if status in TRANSIENT_STATUSES:
+        return "transient-status"
+    if status >= 500 and not own.options.store_server_errors:
+        return "server-error"
+    return None
+
+
+def _store(own: Ownership, response: Response) -> None:
+    state: AppState = current_app.extensions["idempotency"]
+    digest = own.ident.key_digest
+    stored = capture(response, state.settings)
+    try:
+        expires_at_ms = state.store.complete(own.claim, stored)
+    except StoreError as exc:
+        # The view ran; its client still gets the answer. The claim stays until its
+        # lease lapses, so a retry waits rather than running the view again at once.
+        log.error("idempotency: could not store the response for %s: %s", digest[:16], exc)
+        _emit_owned(signals.store_error, own, tier="database", error=str(exc), action="complete")
+        return
+    if expires_at_ms is None:
+        _lease_lost(own, "complete")
+        return
+    completed = Completed(own.ident.fingerprint, expires_at_ms, stored)
+    state.cache.promote(digest, completed, publish=True)  # C23: after the commit
+    state.wakeups.wake(digest)
+    _emit_owned(
+        signals.response_stored, own, status=stored.status, body_omitted=stored.body_omitted
+    )
+
+
+def teardown_request(exc: BaseException | None) -> None:
+    """Release a claim the response path never settled: an exception propagated (C15)."""
+    own: Ownership | None = g.get("_idempotency")
+    if own is None or own.settled:
+        return
+    own.settled = True
+    _release(own, "exception" if exc is not None else "unfinished", None)
+
+
+def mark_failed(sender: Any, exception: BaseException, **extra: Any) -> None:
+    """``got_request_exception`` receiver: an uncaught exception always releases (C17)."""
+    own: Ownership | None = g.get("_idempotency")
+    if own is not None:
+        own.failed = True
+
+
+def _release(own: Ownership, reason: str, status: int | None) -> None:
+    state: AppState = current_app.extensions["idempotency"]
+    digest = own.ident.key_digest
+    try:
+        released = state.store.release(own.claim)
+    except StoreError as exc:
+        log.error("idempotency: could not release %s: %s", digest[:16], exc)
+        _emit_owned(signals.store_error, own, tier="database", error=str(exc), action="release")
+        return
+    if not released:
+        _lease_lost(own, "release")
+        return
+    state.wakeups.announce(digest, "released")  # C20: one waiter claims it next (C12)
+    _emit_owned(signals.claim_released, own, reason=reason, status=status)
+
+
+def _lease_lost(own: Ownership, action: str) -> None:
+    log.warning(
+        "idempotency: lease on %s was taken over before %s; the new owner's record stands",
+        own.ident.key_digest[:16],
+        action,
+    )
+    _emit_owned(signals.lease_lost, own, action=action)
+
+
+# -- signals -------------------------------------------------------------------------
+
+
+def _emit(signal: Any, decision: _Decision, **extra: Any) -> None:
+    if signal.receivers:
+        signal.send(
+            current_app._get_current_object(),  # type: ignore[attr-defined]
+            key_digest=decision.ident.key_digest,
+            scope=decision.ident.scope,
+            route=request.endpoint,
+            duration=time.perf_counter() - decision.started,
+            **extra,
+        )
+
+
+def _emit_owned(signal: Any, own: Ownership, **extra: Any) -> None:
+    if signal.receivers:
+        signal.send(
+            current_app._get_current_object(),  # type: ignore[attr-defined]
+            key_digest=own.ident.key_digest,
+            scope=own.ident.scope,
+            route=request.endpoint,
+            duration=time.perf_counter() - own.started,
+            **extra,
+        )

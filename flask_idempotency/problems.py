@@ -1,0 +1,90 @@
+"""The layer's own errors, as RFC 9457 ``application/problem+json`` (CONTRACT C27).
+
+They are Werkzeug ``HTTPException`` subclasses, so an application can still
+catch them with ``@app.errorhandler(409)`` or by class. None of them is ever
+stored under a key (C18).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, ClassVar
+
+from flask import Response, current_app
+from werkzeug.exceptions import HTTPException
+
+from .config import DEFAULT_PROBLEM_TYPE_BASE
+
+PROBLEM_MIMETYPE = "application/problem+json"
+
+
+class IdempotencyProblem(HTTPException):
+    """Base of every error the idempotency layer answers with."""
+
+    code: int = 400
+    problem_code: ClassVar[str] = "idempotency-error"
+    title: ClassVar[str] = "Idempotency error"
+
+    def __init__(self, detail: str, *, retry_after: float | None = None) -> None:
+        super().__init__(description=detail)
+        self.detail = detail
+        self.retry_after = retry_after
+
+    def problem(self) -> dict[str, Any]:
+        """The problem document's members (RFC 9457 §3 plus our ``code``)."""
+        return {
+            "type": _type_base() + self.problem_code,
+            "title": self.title,
+            "status": self.code,
+            "detail": self.detail,
+            "code": self.problem_code,
+        }
+
+    def get_response(self, environ: Any = None, scope: Any = None) -> Response:  # noqa: ARG002
+        response = Response(
+            json.dumps(self.problem()), status=self.code, mimetype=PROBLEM_MIMETYPE
+        )
+        if self.retry_after is not None:
+            response.headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        return response
+
+
+class MissingKey(IdempotencyProblem):
+    code = 400
+    problem_code = "missing-key"
+    title = "Idempotency-Key is missing"
+
+
+class InvalidKeyProblem(IdempotencyProblem):
+    code = 400
+    problem_code = "invalid-key"
+    title = "Idempotency-Key is invalid"
+
+
+class KeyReused(IdempotencyProblem):
+    code = 422
+    problem_code = "key-reused"
+    title = "Idempotency-Key is already used"
+
+
+class RequestInProgress(IdempotencyProblem):
+    code = 409
+    problem_code = "request-in-progress"
+    title = "A request is outstanding for this Idempotency-Key"
+
+
+class StoreUnavailable(IdempotencyProblem):
+    code = 503
+    problem_code = "store-unavailable"
+    title = "Idempotency store unavailable"
+
+
+def _type_base() -> str:
+    try:
+        state = current_app.extensions.get("idempotency")
+    except RuntimeError:  # outside an app context, e.g. building docs
+        return DEFAULT_PROBLEM_TYPE_BASE
+    if state is None:
+        return DEFAULT_PROBLEM_TYPE_BASE
+    return str(state.settings.problem_type_base)

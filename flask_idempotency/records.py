@@ -1,0 +1,141 @@
+"""Plain data passed between the request lifecycle and the two storage tiers."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+from typing import Any
+
+IN_PROGRESS = "in_progress"
+COMPLETED = "completed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Who is asking and for what: the record's name and the request's fingerprint."""
+
+    scope: str
+    key_digest: str
+    fingerprint: str
+    method: str
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredResponse:
+    """A response as stored and replayed: status, allow-listed headers, exact body bytes."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    body_omitted: bool = False
+
+    def headers_json(self) -> str:
+        return json.dumps([list(pair) for pair in self.headers], separators=(",", ":"))
+
+    @staticmethod
+    def headers_from_json(text: str | None) -> tuple[tuple[str, str], ...]:
+        if not text:
+            return ()
+        return tuple((str(name), str(value)) for name, value in json.loads(text))
+
+
+@dataclasses.dataclass(frozen=True)
+class Completed:
+    """A finished request: what Redis caches and what a replay needs (C9, C22)."""
+
+    fingerprint: str
+    expires_at_ms: int
+    response: StoredResponse
+
+    FORMAT_VERSION = 1
+
+    def to_json(self) -> bytes:
+        """A safe, versioned wire format for Redis (never pickle)."""
+        return json.dumps(
+            {
+                "v": self.FORMAT_VERSION,
+                "fp": self.fingerprint,
+                "exp": self.expires_at_ms,
+                "st": self.response.status,
+                "h": [list(pair) for pair in self.response.headers],
+                "b": base64.b64encode(self.response.body).decode("ascii"),
+                "om": self.response.body_omitted,
+            },
+            separators=(",", ":"),
+        ).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Completed | None:
+        """Decode a cached record; ``None`` for anything not written by this version."""
+        try:
+            data: dict[str, Any] = json.loads(raw)
+            if data.get("v") != cls.FORMAT_VERSION:
+                return None
+            return cls(
+                fingerprint=str(data["fp"]),
+                expires_at_ms=int(data["exp"]),
+                response=StoredResponse(
+                    status=int(data["st"]),
+                    headers=tuple((str(n), str(v)) for n, v in data["h"]),
+                    body=base64.b64decode(data["b"], validate=True),
+                    body_omitted=bool(data["om"]),
+                ),
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """A durable record as read, with the database clock at the moment of reading."""
+
+    id: int
+    key_digest: str
+    scope: str
+    fingerprint: str
+    method: str
+    path: str
+    state: str
+    lock_token: str | None
+    created_at_ms: int
+    expires_at_ms: int
+    lease_expires_at_ms: int | None
+    completed_at_ms: int | None
+    response: StoredResponse | None
+    now_ms: int
+
+    @property
+    def lease_live(self) -> bool:
+        return (
+            self.state == IN_PROGRESS
+            and self.lease_expires_at_ms is not None
+            and self.lease_expires_at_ms > self.now_ms
+        )
+
+    @property
+    def expired(self) -> bool:
+        """Past its life, and not an in-progress claim whose lease still holds (C21)."""
+        return self.expires_at_ms <= self.now_ms and not self.lease_live
+
+    @property
+    def lease_remaining(self) -> float:
+        if self.lease_expires_at_ms is None:
+            return 0.0
+        return max(0.0, (self.lease_expires_at_ms - self.now_ms) / 1000.0)
+
+    def completed(self) -> Completed:
+        assert self.response is not None, "only a completed record has a response"
+        return Completed(self.fingerprint, self.expires_at_ms, self.response)
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """Ownership of a record: only the holder of ``lock_token`` may complete or release it."""
+
+    record_id: int
+    lock_token: str
+    expires_at_ms: int
+    #: How the claim was won: ``new``, ``replaced`` (an expired record), ``taken_over``.
+    how: str

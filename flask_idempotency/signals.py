@@ -1,0 +1,40 @@
+"""Blinker signals for every decision the layer takes.
+
+Each is sent with the application as sender and these keyword arguments:
+``key_digest`` (never the raw key, C30), ``scope``, ``route`` (the endpoint) and
+``duration`` (seconds spent in the layer for that decision); some add more, as
+noted. Connect receivers to count, log or trace them::
+
+    from flask_idempotency import signals
+
+    @signals.request_replayed.connect_via(app)
+    def count_replay(sender, **extra):
+        REPLAYS.labels(extra["route"], extra["source"]).inc()
+"""
+
+from __future__ import annotations
+
+from blinker import Namespace
+
+_signals = Namespace()
+
+#: The view ran as the owner of a new, replaced or taken-over claim. Extra: ``how``.
+request_executed = _signals.signal("idempotency-request-executed")
+#: A stored response was replayed. Extra: ``source`` (``"cache"`` or ``"database"``), ``status``.
+request_replayed = _signals.signal("idempotency-request-replayed")
+#: A duplicate parked while the original ran. Extra: ``waited`` (seconds), ``outcome``.
+request_waited = _signals.signal("idempotency-request-waited")
+#: A duplicate was answered 409: the original is still running.
+request_conflict = _signals.signal("idempotency-request-conflict")
+#: The key was reused with a different request: 422.
+key_mismatch = _signals.signal("idempotency-key-mismatch")
+#: A lapsed lease was taken over (the original owner crashed or overran it).
+lease_taken_over = _signals.signal("idempotency-lease-taken-over")
+#: An owner found its lease taken when it tried to complete or release. Extra: ``action``.
+lease_lost = _signals.signal("idempotency-lease-lost")
+#: A claim was released, so a retry runs the view again. Extra: ``reason``, ``status``.
+claim_released = _signals.signal("idempotency-claim-released")
+#: A response was stored. Extra: ``status``, ``body_omitted``.
+response_stored = _signals.signal("idempotency-response-stored")
+#: A store failed. Extra: ``tier`` (``"database"`` or ``"cache"``), ``error``, ``action``.
+store_error = _signals.signal("idempotency-store-error")

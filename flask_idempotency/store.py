@@ -1,0 +1,337 @@
+"""The durable store: the source of truth for claims, leases and results (C8, C13–C14, C20–C21, C26).
+
+Every statement here is one short transaction of its own. Single statements run
+in autocommit, so each is atomic, sees the latest committed rows (no stale
+snapshot can hide a competitor's claim, race X9) and costs one round trip. The
+claim is ``INSERT … ON CONFLICT DO NOTHING RETURNING``: the unique index lets
+exactly one of any number of concurrent inserters win. Every write an owner
+makes afterwards is fenced by its lock token.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, Engine, MetaData, Table, and_, delete, insert, not_, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from .records import COMPLETED, IN_PROGRESS, Claim, Identity, Record, StoredResponse
+from .table import db_now_ms, idempotency_table
+
+log = logging.getLogger("flask_idempotency")
+
+T = TypeVar("T")
+
+#: SQLSTATEs that mean "run it again": serialization failure, deadlock (C26, R96).
+_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+#: SQLSTATE of ``lock_timeout``: a live transaction holds the row (atomic mode, R38).
+_LOCK_NOT_AVAILABLE = "55P03"
+_ATTEMPTS = 4
+
+
+class StoreError(Exception):
+    """The durable store could not answer; the request gets 503 (C25, C26)."""
+
+
+class DurableStore:
+    """SQLAlchemy Core access to the records table, on PostgreSQL or SQLite."""
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        *,
+        metadata: MetaData | None = None,
+        table_name: str = "idempotency_keys",
+        create_table: bool = False,
+    ) -> None:
+        self._engine_factory = engine_factory
+        self.table: Table = idempotency_table(metadata or MetaData(), table_name)
+        self._create_table = create_table
+        self._engines: tuple[Engine, Engine] | None = None
+        self._lock = threading.Lock()
+
+    # -- engines -----------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        """The engine for transactions (prune batches, takeover with a lock timeout)."""
+        return self._resolve()[0]
+
+    @property
+    def autocommit(self) -> Engine:
+        """The same pool, with every statement committed on its own."""
+        return self._resolve()[1]
+
+    def _resolve(self) -> tuple[Engine, Engine]:
+        engines = self._engines
+        if engines is None:
+            with self._lock:
+                if self._engines is None:
+                    engine = self._engine_factory()
+                    if self._create_table:
+                        self.table.create(engine, checkfirst=True)
+                    self._engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"))
+                engines = self._engines
+        return engines
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def create_table(self) -> None:
+        """Create the table if it is missing (tests, and the embedded SQLite default)."""
+        self.table.create(self.engine, checkfirst=True)
+
+    # -- the claim ------------------------------------------------------------------
+
+    def acquire(self, ident: Identity, *, ttl: float, lease: float) -> Claim | Record:
+        """Claim the record for ``ident``, or return the record that stands in the way.
+
+        Returns a :class:`Claim` when this request now owns the record: it was new,
+        it had expired and was replaced (C21), or its lease had lapsed and was taken
+        over (C13). Otherwise returns the live record; the caller compares its
+        fingerprint (C7), replays it (C9) or waits for it (C10).
+        """
+        ttl_ms, lease_ms = int(ttl * 1000), int(lease * 1000)
+        record: Record | None = None
+        for _ in range(_ATTEMPTS):
+            token = uuid.uuid4().hex
+            claim = self._run(lambda c: self._insert(c, ident, token, ttl_ms, lease_ms))
+            if claim is not None:
+                return claim
+            record = self.get(ident.key_digest)
+            if record is None:
+                continue  # released or pruned between the two statements: claim again
+            if record.expired:
+                claim = self._replace_expired(record, ident, token, ttl_ms, lease_ms)
+            elif record.fingerprint != ident.fingerprint or record.state == COMPLETED:
+                return record
+            elif not record.lease_live:
+                claim = self._take_over(record, token, lease_ms)
+            else:
+                return record
+            if claim is not None:
+                return claim
+        if record is None:
+            raise StoreError("the record kept vanishing while it was being claimed")
+        return record
+
+    def _insert(
+        self, conn: Connection, ident: Identity, token: str, ttl_ms: int, lease_ms: int
+    ) -> Claim | None:
+        t = self.table
+        now = db_now_ms()
+        values = dict(
+            key_digest=ident.key_digest,
+            scope=ident.scope,
+            fingerprint=ident.fingerprint,
+            method=ident.method,
+            path=ident.path[:2048],
+            state=IN_PROGRESS,
+            lock_token=token,
+            created_at_ms=now,
+            expires_at_ms=now + ttl_ms,
+            lease_expires_at_ms=now + lease_ms,
+        )
+        stmt = (
+            self._insert_construct()
+            .values(**values)
+            .on_conflict_do_nothing(index_elements=[t.c.key_digest])
+            .returning(t.c.id, t.c.expires_at_ms)
+        )
+        row = conn.execute(stmt).first()
+        return None if row is None else Claim(row.id, token, row.expires_at_ms, "new")
+
+    def _insert_construct(self) -> Any:
+        if self.dialect == "postgresql":
+            return postgresql.insert(self.table)
+        if self.dialect == "sqlite":
+            return sqlite.insert(self.table)
+        raise StoreError(f"the {self.dialect} dialect is not supported (PostgreSQL or SQLite)")
+
+    def _replace_expired(
+        self, record: Record, ident: Identity, token: str, ttl_ms: int, lease_ms: int
+    ) -> Claim | None:
+        """Turn an expired record into a fresh claim in one conditional UPDATE (C21)."""
+        t, now = self.table, db_now_ms()
+        stmt = (
+            update(t)
+            .where(
+                t.c.id == record.id,
+                t.c.expires_at_ms <= now,
+                not_(and_(t.c.state == IN_PROGRESS, t.c.lease_expires_at_ms > now)),
+            )
+            .values(
+                scope=ident.scope,
+                fingerprint=ident.fingerprint,
+                method=ident.method,
+                path=ident.path[:2048],
+                state=IN_PROGRESS,
+                lock_token=token,
+                created_at_ms=now,
+                expires_at_ms=now + ttl_ms,
+                lease_expires_at_ms=now + lease_ms,
+                completed_at_ms=None,
+                response_status=None,
+                response_headers=None,
+                response_body=None,
+                body_omitted=False,
+            )
+            .returning(t.c.expires_at_ms)
+        )
+        row = self._run_locked(stmt)
+        return None if row is None else Claim(record.id, token, row.expires_at_ms, "replaced")
+
+    def _take_over(self, record: Record, token: str, lease_ms: int) -> Claim | None:
+        """Take a lapsed lease with one conditional UPDATE; among racers one wins (C13)."""
+        t, now = self.table, db_now_ms()
+        stmt = (
+            update(t)
+            .where(
+                t.c.id == record.id,
+                t.c.state == IN_PROGRESS,
+                t.c.lock_token == record.lock_token,
+                t.c.lease_expires_at_ms <= now,
+            )
+            .values(lock_token=token, lease_expires_at_ms=now + lease_ms)
+            .returning(t.c.expires_at_ms)
+        )
+        row = self._run_locked(stmt)
+        return None if row is None else Claim(record.id, token, row.expires_at_ms, "taken_over")
+
+    def _run_locked(self, stmt: Any) -> Any:
+        """Run a conditional UPDATE that must not queue behind a live owner's row lock.
+
+        In atomic mode the owner holds its row locked for the whole view; a
+        would-be taker that cannot get the lock within a moment treats the record
+        as still in progress rather than waiting for the view to finish.
+        """
+
+        def attempt(conn: Connection) -> Any:
+            if self.dialect == "postgresql":
+                conn.execute(text("SET LOCAL lock_timeout = '500ms'"))
+            return conn.execute(stmt).first()
+
+        try:
+            return self._run(attempt, transaction=True)
+        except StoreError as exc:
+            if _sqlstate(exc.__cause__) == _LOCK_NOT_AVAILABLE:
+                return None
+            raise
+
+    # -- reads ---------------------------------------------------------------------
+
+    def get(self, key_digest: str) -> Record | None:
+        """The record named ``key_digest``, read with the database clock (no lock taken, R74)."""
+        t = self.table
+        stmt = select(t, db_now_ms().label("now_ms")).where(t.c.key_digest == key_digest)
+        row = self._run(lambda c: c.execute(stmt).first())
+        return None if row is None else _to_record(row)
+
+    # -- the owner's writes, fenced by its token --------------------------------------
+
+    def complete(self, claim: Claim, response: StoredResponse) -> int | None:
+        """Store the response and mark the record completed; ``None`` if the lease was lost (C14)."""
+        t = self.table
+        stmt = (
+            update(t)
+            .where(t.c.id == claim.record_id, t.c.lock_token == claim.lock_token)
+            .values(
+                state=COMPLETED,
+                response_status=response.status,
+                response_headers=response.headers_json(),
+                response_body=response.body,
+                body_omitted=response.body_omitted,
+                completed_at_ms=db_now_ms(),
+                lock_token=None,
+                lease_expires_at_ms=None,
+            )
+            .returning(t.c.expires_at_ms)
+        )
+        row = self._run(lambda c: c.execute(stmt).first())
+        return None if row is None else int(row.expires_at_ms)
+
+    def release(self, claim: Claim) -> bool:
+        """Delete the owner's record so a retry runs as new; ``False`` if the lease was lost (C20)."""
+        t = self.table
+        stmt = delete(t).where(t.c.id == claim.record_id, t.c.lock_token == claim.lock_token)
+        return bool(self._run(lambda c: c.execute(stmt).rowcount))
+
+    # -- running statements --------------------------------------------------------------
+
+    def _run(self, work: Callable[[Connection], T], *, transaction: bool = False) -> T:
+        """Run ``work`` with bounded retries of transient failures; else raise :class:`StoreError`.
+
+        Retried: serialization failures and deadlocks (C26), and a pooled
+        connection that turned out to be dead (the database restarted). Anything
+        else, or running out of attempts, is a store outage for the caller.
+        """
+        for attempt in range(_ATTEMPTS):
+            try:
+                with self._connect(transaction) as conn:
+                    return work(conn)
+            except DBAPIError as exc:
+                retryable = _sqlstate(exc) in _RETRYABLE_SQLSTATES or (
+                    exc.connection_invalidated and attempt == 0
+                )
+                if not retryable or attempt == _ATTEMPTS - 1:
+                    raise StoreError(_describe(exc)) from exc
+                time.sleep(random.uniform(0.005, 0.02) * (attempt + 1))
+            except SQLAlchemyError as exc:
+                raise StoreError(_describe(exc)) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @contextmanager
+    def _connect(self, transaction: bool) -> Iterator[Connection]:
+        if transaction:
+            with self.engine.begin() as conn:
+                yield conn
+        else:
+            with self.autocommit.connect() as conn:
+                yield conn
+
+
+def _to_record(row: Any) -> Record:
+    response = None
+    if row.state == COMPLETED and row.response_status is not None:
+        response = StoredResponse(
+            status=int(row.response_status),
+            headers=StoredResponse.headers_from_json(row.response_headers),
+            body=bytes(row.response_body or b""),
+            body_omitted=bool(row.body_omitted),
+        )
+    return Record(
+        id=int(row.id),
+        key_digest=row.key_digest,
+        scope=row.scope,
+        fingerprint=row.fingerprint,
+        method=row.method,
+        path=row.path,
+        state=row.state,
+        lock_token=row.lock_token,
+        created_at_ms=int(row.created_at_ms),
+        expires_at_ms=int(row.expires_at_ms),
+        lease_expires_at_ms=None if row.lease_expires_at_ms is None else int(row.lease_expires_at_ms),
+        completed_at_ms=None if row.completed_at_ms is None else int(row.completed_at_ms),
+        response=response,
+        now_ms=int(row.now_ms),
+    )
+
+
+def _sqlstate(exc: BaseException | None) -> str | None:
+    orig = getattr(exc, "orig", exc)
+    return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+
+
+def _describe(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    first_line = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+    return f"{type(orig).__name__}: {first_line}"

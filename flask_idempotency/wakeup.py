@@ -1,0 +1,129 @@
+"""Parking duplicates until the original finishes (CONTRACT C10–C12).
+
+A parked request registers an event under the record's digest *before* it
+re-reads the record, so a completion that lands between the read and the wait
+cannot be missed (race X1). Whoever finishes a record sets the events of the
+same digest in this process at once; other processes learn of it through a
+cross-process channel when one is configured (Redis pub/sub) and, always, by
+polling the store on a bounded back-off, so a lost message costs at most one
+poll interval. A wake-up is only a hint: the waiter always re-reads the store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+
+class TooManyWaiters(Exception):
+    """This process already parks as many requests as it may (R86)."""
+
+
+class Parked:
+    """One parked request's wake-up event."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until woken or ``timeout`` passes; ``True`` if woken. Re-arms itself."""
+        woken = self._event.wait(max(0.0, timeout))
+        self._event.clear()
+        return woken
+
+    def wake(self) -> None:
+        self._event.set()
+
+
+class CrossProcessChannel(Protocol):
+    """What the hub needs from a channel that reaches other processes (the Redis tier)."""
+
+    def ensure_listening(self, hub: WakeupHub) -> bool:
+        """Start listening if needed; ``True`` once the subscription is confirmed."""
+
+    def publish(self, key_digest: str, event: str) -> None:
+        """Tell other processes that ``key_digest`` finished; never raises."""
+
+
+class WakeupHub:
+    """Parked requests of this process, by record digest."""
+
+    def __init__(self, max_waiters: int = 256) -> None:
+        self._max_waiters = max_waiters
+        self._waiters: dict[str, set[Parked]] = {}
+        self._count = 0
+        self._lock = threading.Lock()
+        self.channel: CrossProcessChannel | None = None
+
+    @contextmanager
+    def parked(self, key_digest: str) -> Iterator[Parked]:
+        """Register a waiter for ``key_digest`` for the duration of the block.
+
+        The caller re-reads the record *inside* the block, after registering.
+        """
+        parked = Parked()
+        with self._lock:
+            if self._count >= self._max_waiters:
+                raise TooManyWaiters
+            self._waiters.setdefault(key_digest, set()).add(parked)
+            self._count += 1
+        try:
+            if self.channel is not None:
+                self.channel.ensure_listening(self)
+            yield parked
+        finally:
+            with self._lock:
+                waiters = self._waiters.get(key_digest)
+                if waiters is not None:
+                    waiters.discard(parked)
+                    if not waiters:
+                        del self._waiters[key_digest]
+                self._count -= 1
+
+    @property
+    def cross_process_live(self) -> bool:
+        """Whether other processes' completions reach us as messages (else we poll faster)."""
+        channel = self.channel
+        return channel is not None and channel.ensure_listening(self)
+
+    def wake(self, key_digest: str) -> None:
+        """Wake every waiter of ``key_digest`` in this process."""
+        with self._lock:
+            waiters = list(self._waiters.get(key_digest, ()))
+        for parked in waiters:
+            parked.wake()
+
+    def wake_all(self) -> None:
+        """Wake every waiter, e.g. after the channel reconnected and messages may be lost."""
+        with self._lock:
+            waiters = [p for group in self._waiters.values() for p in group]
+        for parked in waiters:
+            parked.wake()
+
+    def announce(self, key_digest: str, event: str) -> None:
+        """A record finished (``done``) or was released: wake local waiters, then tell the rest."""
+        self.wake(key_digest)
+        if self.channel is not None:
+            self.channel.publish(key_digest, event)
+
+    @property
+    def parked_count(self) -> int:
+        return self._count
+
+
+class PollSchedule:
+    """Bounded exponential back-off for re-reading the store while parked (C10)."""
+
+    def __init__(self, first: float = 0.025, factor: float = 2.0, cap: float = 0.5) -> None:
+        self._next = first
+        self._factor = factor
+        self._cap = cap
+
+    def next(self) -> float:
+        interval = self._next
+        self._next = min(self._cap, self._next * self._factor)
+        return interval
