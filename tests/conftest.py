@@ -1,0 +1,135 @@
+"""Shared fixtures.
+
+PostgreSQL and Redis tests talk to real servers. Each test session gets a private
+PostgreSQL database (created from ``IDEMPOTENCY_TEST_DATABASE_URL``, dropped at
+the end) so parallel runs never see each other's rows. When a server is missing,
+the test is skipped on a laptop and fails in CI (``CI=true``): a skipped proof
+never counts as a pass there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from flask import Flask
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import URL, make_url
+
+from flask_idempotency import Idempotency
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+PG_BASE_URL = os.environ.get(
+    "IDEMPOTENCY_TEST_DATABASE_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("IDEMPOTENCY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def service_missing(what: str, why: str) -> None:
+    """Skip on a laptop, fail loudly in CI."""
+    message = f"{what} is not available ({why})"
+    if IN_CI:
+        pytest.fail(message + "; CI must run this test against the real service", pytrace=False)
+    pytest.skip(message)
+
+
+# -- PostgreSQL ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[URL]:
+    """A private PostgreSQL database for this test session."""
+    base = make_url(PG_BASE_URL)
+    try:
+        admin = create_engine(base, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+        with admin.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:  # noqa: BLE001 - any failure means "no server"
+        service_missing("PostgreSQL", f"{base.render_as_string(hide_password=True)}: {exc}")
+    name = f"idem_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield base.set(database=name)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def pg_table() -> str:
+    """A table name of this test's own, so tests never share records."""
+    return f"idem_{uuid.uuid4().hex[:12]}"
+
+
+# -- apps ----------------------------------------------------------------------------
+
+
+AppFactory = Callable[..., tuple[Flask, Idempotency]]
+
+
+@pytest.fixture
+def make_app(tmp_path: Any) -> Iterator[AppFactory]:
+    """Build ``(app, idempotency)`` on SQLite in ``tmp_path`` unless told otherwise.
+
+    ``make_app(config={...}, **extension_kwargs)``; the table is created for you.
+    """
+    stores: list[Any] = []
+
+    def factory(config: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Flask, Idempotency]:
+        app = Flask(f"test_app_{len(stores)}", instance_path=str(tmp_path / f"instance{len(stores)}"))
+        app.config["TESTING"] = True
+        app.config["IDEMPOTENCY_DATABASE_URI"] = f"sqlite:///{tmp_path}/idem{len(stores)}.sqlite3"
+        app.config.update(config or {})
+        ext = Idempotency(app, **kwargs)
+        store = app.extensions["idempotency"].store
+        store.create_table()
+        stores.append(store)
+        return app, ext
+
+    yield factory
+    for store in stores:
+        if store._engines is not None:
+            store.engine.dispose()
+
+
+@pytest.fixture
+def make_pg_app(make_app: AppFactory, pg_url: URL, pg_table: str) -> Iterator[AppFactory]:
+    """Like ``make_app``, on this session's PostgreSQL database and this test's table."""
+    created: list[Any] = []
+
+    def factory(config: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Flask, Idempotency]:
+        merged = {
+            "IDEMPOTENCY_DATABASE_URI": pg_url.render_as_string(hide_password=False),
+            "IDEMPOTENCY_TABLE": pg_table,
+        }
+        merged.update(config or {})
+        app, ext = make_app(merged, **kwargs)
+        created.append(app.extensions["idempotency"].store)
+        return app, ext
+
+    yield factory
+    if created:
+        created[0].table.drop(created[0].engine, checkfirst=True)
+
+
+# -- Redis ---------------------------------------------------------------------------
+
+
+def redis_server_binary() -> str:
+    path = shutil.which("redis-server")
+    if path is None:
+        service_missing("redis-server", "the binary is not on PATH")
+    return str(path)
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if "pg_url" in fixtures:
+            item.add_marker(pytest.mark.postgres)
