@@ -200,13 +200,20 @@ def _skip_display_string(cursor: _Cursor) -> None:
     if cursor.take() != '"':
         raise InvalidKey("The Idempotency-Key has a malformed display-string parameter.")
     hexdigits = frozenset("0123456789abcdef")
+    decoded = bytearray()
     while not cursor.done():
         char = cursor.take()
         if char == '"':
+            try:
+                decoded.decode("utf-8")  # RFC 9651 §4.2.10: the octets must be UTF-8
+            except UnicodeDecodeError:
+                break
             return
         if char == "%":
-            if cursor.take() not in hexdigits or cursor.take() not in hexdigits:
+            high, low = cursor.take(), cursor.take()
+            if high not in hexdigits or low not in hexdigits:
                 raise InvalidKey("The Idempotency-Key has a malformed display-string parameter.")
+            decoded.append(int(high + low, 16))
         elif not " " <= char <= "~":
             raise InvalidKey("The Idempotency-Key has a malformed display-string parameter.")
     raise InvalidKey("The Idempotency-Key has a malformed display-string parameter.")
