@@ -1,0 +1,389 @@
+"""Parsing the Idempotency-Key header (C2, C3; spec.md R6–R9 and the vectors of §7).
+
+The library's documented choice in strict mode: a value that does not start with
+``"`` is treated as absent (RFC 9651 §4.2), but a value that starts with ``"`` and
+is malformed is ``InvalidKey`` in both modes, so a client that clearly meant to
+send a key is told it is broken instead of silently running unprotected.
+"""
+
+from __future__ import annotations
+
+import pytest
+from flask import jsonify
+
+from flask_idempotency import idempotent
+from flask_idempotency.keys import InvalidKey, parse_key
+
+UUID = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+
+# -- spec.md §7: (field value, lenient result, strict result) -------------------------
+# A str result is the key; INVALID raises InvalidKey; None is "absent".
+INVALID = object()
+
+SPEC_VECTORS = [
+    pytest.param(f'"{UUID}"', UUID, UUID, id="1-quoted-uuid"),
+    pytest.param(UUID, UUID, None, id="2-bare-uuid"),
+    pytest.param("KG5LxwFBepaKHyUD", "KG5LxwFBepaKHyUD", None, id="3-bare-token"),
+    pytest.param('"abc";v=1', "abc", "abc", id="4-parameter-ignored"),
+    pytest.param('"a\\"b"', 'a"b', 'a"b', id="5-escaped-quote"),
+    pytest.param('"a\\\\b"', "a\\b", "a\\b", id="6-escaped-backslash"),
+    pytest.param('"a\\b"', INVALID, INVALID, id="7-bad-escape"),
+    pytest.param('""', INVALID, INVALID, id="8-empty-string"),
+    pytest.param('"abc', INVALID, INVALID, id="9-unbalanced-quote"),
+    pytest.param('"abc" x', INVALID, INVALID, id="10-trailing-input"),
+    pytest.param('"a", "b"', INVALID, INVALID, id="11-list"),
+    pytest.param('"f\u00fc\u00fc"', INVALID, INVALID, id="12-non-ascii"),
+    pytest.param('"a\tb"', INVALID, INVALID, id="13-tab"),
+    pytest.param('"a b"', "a b", "a b", id="14-space"),
+    pytest.param('"' + "a" * 255 + '"', "a" * 255, "a" * 255, id="15-255-chars"),
+    pytest.param('"' + "a" * 256 + '"', INVALID, INVALID, id="16-256-chars"),
+    pytest.param("a,b", INVALID, None, id="17-comma"),
+    pytest.param("a;b", INVALID, None, id="18-semicolon"),
+]
+
+
+def outcome(value: str, *, strict: bool, max_length: int = 255) -> object:
+    try:
+        return parse_key([value], strict=strict, max_length=max_length)
+    except InvalidKey:
+        return INVALID
+
+
+@pytest.mark.parametrize(("field", "lenient", "strict"), SPEC_VECTORS)
+def test_c2_c3_spec_vectors_lenient(field: str, lenient: object, strict: object) -> None:
+    """C2/C3: every vector of spec.md §7 in the default (lenient) mode."""
+    assert outcome(field, strict=False) == lenient
+
+
+@pytest.mark.parametrize(("field", "lenient", "strict"), SPEC_VECTORS)
+def test_c2_c3_spec_vectors_strict(field: str, lenient: object, strict: object) -> None:
+    """C2/C3: the same vectors with IDEMPOTENCY_STRICT_HEADER (documented choice above)."""
+    assert outcome(field, strict=True) == strict
+
+
+def test_c2_no_header_is_absent() -> None:
+    assert parse_key([]) is None
+    assert parse_key([], strict=True) is None
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_c3_two_field_lines_rejected(strict: bool) -> None:
+    """R9: two lines are an error, never a choice between them — even two equal ones."""
+    with pytest.raises(InvalidKey):
+        parse_key(['"a"', '"b"'], strict=strict)
+    with pytest.raises(InvalidKey):
+        parse_key(['"a"', '"a"'], strict=strict)
+
+
+def test_c3_invalid_key_says_why() -> None:
+    with pytest.raises(InvalidKey, match="more than once"):
+        parse_key(["a", "b"])
+    with pytest.raises(InvalidKey, match="longer than 255"):
+        parse_key(["a" * 256])
+    with pytest.raises(InvalidKey, match="empty"):
+        parse_key(['""'])
+
+
+# -- RFC 9651 String (httpwg string.json / string-generated.json) ------------------------
+
+
+@pytest.mark.parametrize("code", [*range(0x00, 0x20), 0x7F])
+@pytest.mark.parametrize("strict", [False, True])
+def test_c3_control_bytes_inside_quotes_fail(code: int, strict: bool) -> None:
+    """Every control byte and DEL inside an sf-string fails (string-generated.json)."""
+    with pytest.raises(InvalidKey):
+        parse_key([f'"a{chr(code)}b"'], strict=strict)
+
+
+@pytest.mark.parametrize("code", [0x80, 0xA0, 0xFF, 0x100, 0x20AC, 0x1F600])
+def test_c3_non_ascii_inside_quotes_fails(code: int) -> None:
+    with pytest.raises(InvalidKey):
+        parse_key([f'"a{chr(code)}b"'])
+
+
+@pytest.mark.parametrize("code", range(0x20, 0x7F))
+def test_c2_every_printable_ascii_char_inside_quotes(code: int) -> None:
+    """Every printable ASCII character is a valid string character (escaped if `"` or `\\`)."""
+    char = chr(code)
+    escaped = "\\" + char if char in '"\\' else char
+    assert parse_key([f'"x{escaped}y"']) == f"x{char}y"
+
+
+@pytest.mark.parametrize(
+    ("field", "key"),
+    [
+        ('"foo bar"', "foo bar"),
+        ('" "', " "),
+        ('"  leading and trailing  "', "  leading and trailing  "),
+        ('"\\""', '"'),
+        ('"\\\\"', "\\"),
+        ('"\\\\\\""', '\\"'),
+        ('"a\\\\\\\\b"', "a\\\\b"),
+        ('"\'single\'"', "'single'"),
+        ('"a,b;c=d"', "a,b;c=d"),
+    ],
+)
+def test_c2_rfc9651_strings_that_pass(field: str, key: str) -> None:
+    assert parse_key([field]) == key
+    assert parse_key([field], strict=True) == key
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        '"\\a"',  # unknown escape
+        '"\\n"',  # no C-style escapes in sf-strings
+        '"\\u0041"',
+        '"abc\\"',  # escape eats the closing quote
+        '"abc\\',  # ends inside an escape
+        '"',  # a lone quote
+        '"a"b"',  # trailing input after the string
+        '"a""b"',
+    ],
+)
+@pytest.mark.parametrize("strict", [False, True])
+def test_c3_rfc9651_strings_that_fail(field: str, strict: bool) -> None:
+    with pytest.raises(InvalidKey):
+        parse_key([field], strict=strict)
+
+
+def test_c2_surrounding_whitespace_is_trimmed() -> None:
+    """HTTP OWS around the field value is not part of it (spec.md §7 "after OWS trimming")."""
+    assert parse_key(['  "abc"  ']) == "abc"
+    assert parse_key(["\t abc \t"]) == "abc"
+    assert parse_key(['\t"abc"\t'], strict=True) == "abc"
+
+
+# -- parameters: accepted and ignored for every bare-item type ------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        ";a=1",
+        ";a=-1",
+        ";a=0",
+        ";a=123456789012345",  # 15 digits: the largest sf-integer
+        ";a=1.5",
+        ";a=-1.125",
+        ";a=123456789012.123",  # 12 integer digits, 3 fraction digits
+        ';a="x y"',
+        ';a="esc\\"aped"',
+        ';a=""',
+        ";a=token",
+        ";a=*tok/en:x",
+        ";a=:aGVsbG8=:",
+        ";a=::",
+        ";a=?1",
+        ";a=?0",
+        ";a",  # a bare parameter is Boolean true
+        ";a=@1659578233",
+        ";a=@-1",
+        ';a=%"f%c3%bc"',
+        ';a=%""',
+        ";*star=1",
+        ";a-b_c.d*=1",
+        ";a=1;b=2;c",
+        "; a=1",  # SP is allowed after ';'
+        ";a=1;  b=?0",
+    ],
+)
+@pytest.mark.parametrize("strict", [False, True])
+def test_c2_parameters_of_every_type_are_ignored(params: str, strict: bool) -> None:
+    assert parse_key(['"abc"' + params], strict=strict) == "abc"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        ";",  # no key
+        ";A=1",  # keys are lowercase
+        ";1a=1",  # keys start with lcalpha or *
+        ";-a=1",
+        ";a=",  # = without a value
+        ";a=?2",
+        ";a=?",
+        ";a=:aGVsbG8=",  # unclosed byte sequence
+        ";a=:a b:",
+        ";a=1234567890123456",  # 16 digits
+        ";a=1.",  # decimal without fraction
+        ";a=1.2345",  # 4 fraction digits
+        ";a=1234567890123.1",  # 13 integer digits in a decimal
+        ";a=-",
+        ';a="unterminated',
+        ';a="bad\\escape"',
+        ";a=@1.5",  # dates are integers
+        ";a=@",
+        ';a=%"unterminated',
+        ';a=%"%zz"',
+        ';a=%"%C3%BC"',  # display-string hex is lowercase
+        ';a=%"%ff"',  # display-string octets must be UTF-8 (RFC 9651 §4.2.10)
+        ';a=%"%c3"',  # a truncated UTF-8 sequence
+        ";a=%x",
+        ";a=(1 2)",  # inner lists are not bare items
+        ";a=1 ;b=2",  # no space before ';'
+        ' ;a=1',  # no space between the string and its parameters
+        ";a=1,",
+        ";a=1;",
+        ";a=\u00e9",
+    ],
+)
+@pytest.mark.parametrize("strict", [False, True])
+def test_c3_malformed_parameters_rejected(params: str, strict: bool) -> None:
+    with pytest.raises(InvalidKey):
+        parse_key(['"abc"' + params], strict=strict)
+
+
+# -- length, after unescaping ---------------------------------------------------------
+
+
+def test_c3_max_length_counts_unescaped_characters() -> None:
+    """R8: 255 characters after unescaping pass even though the field is longer."""
+    key_255 = "a" * 253 + '"\\'
+    field_255 = '"' + "a" * 253 + '\\"\\\\' + '"'
+    assert len(field_255) == 259
+    assert parse_key([field_255]) == key_255
+    field_256 = '"' + "a" * 254 + '\\"\\\\' + '"'
+    with pytest.raises(InvalidKey):
+        parse_key([field_256])
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_c3_max_length_boundary_quoted(strict: bool) -> None:
+    assert parse_key(['"' + "k" * 255 + '"'], strict=strict) == "k" * 255
+    with pytest.raises(InvalidKey):
+        parse_key(['"' + "k" * 256 + '"'], strict=strict)
+
+
+def test_c3_max_length_boundary_bare() -> None:
+    assert parse_key(["k" * 255]) == "k" * 255
+    with pytest.raises(InvalidKey):
+        parse_key(["k" * 256])
+
+
+def test_c3_configured_max_length() -> None:
+    assert parse_key(['"abcd"'], max_length=4) == "abcd"
+    with pytest.raises(InvalidKey):
+        parse_key(['"abcde"'], max_length=4)
+    assert parse_key(["abcd"], max_length=4) == "abcd"
+    with pytest.raises(InvalidKey):
+        parse_key(["abcde"], max_length=4)
+
+
+# -- bare keys --------------------------------------------------------------------------
+
+
+BARE_ALPHABET = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"\\,;')
+
+
+def test_c2_bare_key_accepts_every_allowed_char() -> None:
+    assert len(BARE_ALPHABET) == 94 - 4
+    assert parse_key([BARE_ALPHABET]) == BARE_ALPHABET
+
+
+@pytest.mark.parametrize("char", ['\\', ",", ";", " ", "\t", "\x00", "\x7f", "\u00e9", "\x1b"])
+def test_c3_bare_key_with_forbidden_char_rejected(char: str) -> None:
+    with pytest.raises(InvalidKey):
+        parse_key([f"ab{char}cd"])
+
+
+@pytest.mark.parametrize("char", ['\\', ",", ";", " ", "\u00e9"])
+def test_c3_strict_bare_value_is_absent(char: str) -> None:
+    """Strict mode: anything not starting with ``"`` is not a String, hence absent."""
+    assert parse_key([f"ab{char}cd"], strict=True) is None
+
+
+@pytest.mark.parametrize("value", ["", "   ", "\t"])
+def test_c3_empty_value(value: str) -> None:
+    with pytest.raises(InvalidKey):
+        parse_key([value])
+    assert parse_key([value], strict=True) is None
+
+
+def test_c2_bare_and_quoted_are_the_same_key() -> None:
+    assert parse_key([UUID]) == parse_key([f'"{UUID}"'])
+
+
+# -- through the app ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def counted_app(make_app):
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    calls: list[int] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        calls.append(1)
+        return jsonify(n=len(calls)), 201
+
+    return app, calls
+
+
+@pytest.mark.parametrize(
+    "name", ["Idempotency-Key", "idempotency-key", "IDEMPOTENCY-KEY", "iDeMpOtEnCy-KeY"]
+)
+def test_c2_header_name_is_case_insensitive(counted_app, name: str) -> None:
+    app, calls = counted_app
+    client = app.test_client()
+    first = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "k1"})
+    again = client.post("/pay", json={"a": 1}, headers={name: "k1"})
+    assert first.status_code == again.status_code == 201
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    assert again.data == first.data
+    assert len(calls) == 1
+
+
+def test_c2_quoted_and_bare_replay_each_other(counted_app) -> None:
+    app, calls = counted_app
+    client = app.test_client()
+    first = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": '"abc"'})
+    bare = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "abc"})
+    param = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": '"abc";v=2'})
+    assert "Idempotent-Replayed" not in first.headers
+    assert bare.headers.get("Idempotent-Replayed") == "true"
+    assert param.headers.get("Idempotent-Replayed") == "true"
+    assert bare.data == param.data == first.data
+    assert len(calls) == 1
+
+
+def test_c2_escaped_key_is_distinct_from_its_escape(counted_app) -> None:
+    """``"a\\"b"`` is the key ``a"b``; it must not collide with the bare ``a\\"b``-like spellings."""
+    app, calls = counted_app
+    client = app.test_client()
+    client.post("/pay", json={}, headers={"Idempotency-Key": '"a\\"b"'})
+    client.post("/pay", json={}, headers={"Idempotency-Key": '"a\\\\b"'})
+    assert len(calls) == 2
+
+
+def test_c3_two_header_lines_through_the_app(counted_app) -> None:
+    app, calls = counted_app
+    response = app.test_client().post(
+        "/pay", json={}, headers=[("Idempotency-Key", '"a"'), ("Idempotency-Key", '"b"')]
+    )
+    assert response.status_code == 400
+    assert response.json["code"] == "invalid-key"
+    assert calls == []
+
+
+def test_c4_strict_mode_bare_key_is_missing_when_required(make_app) -> None:
+    app, _ = make_app({"IDEMPOTENCY_STRICT_HEADER": True, "IDEMPOTENCY_REQUIRED": True})
+    calls: list[int] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        calls.append(1)
+        return "ok"
+
+    client = app.test_client()
+    bare = client.post("/pay", headers={"Idempotency-Key": UUID})
+    assert bare.status_code == 400
+    assert bare.json["code"] == "missing-key"
+    broken = client.post("/pay", headers={"Idempotency-Key": '"abc'})
+    assert broken.status_code == 400
+    assert broken.json["code"] == "invalid-key"
+    quoted = client.post("/pay", headers={"Idempotency-Key": f'"{UUID}"'})
+    assert quoted.status_code == 200
+    assert calls == [1]
