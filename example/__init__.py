@@ -1,0 +1,1 @@
+"""A small payments API that shows Flask-Idempotency at work (``make run``)."""
