@@ -1,0 +1,108 @@
+"""A loopback TCP proxy a test can cut: the database "goes away" without stopping it.
+
+``cut()`` closes every open connection and refuses new ones, which is what an
+application sees when its database host drops off the network; ``restore()``
+lets traffic through again.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import threading
+from typing import Any
+
+from .gunicorn import free_port
+
+
+class TcpProxy:
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = free_port()
+        self._listener: socket.socket | None = None
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._open = threading.Event()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> TcpProxy:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(128)
+        listener.settimeout(0.2)
+        self._listener = listener
+        self._open.set()
+        self._thread = threading.Thread(target=self._accept_loop, name="tcp-proxy", daemon=True)
+        self._thread.start()
+        return self
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopped.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not self._open.is_set():
+                client.close()  # refused while cut
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=3)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._connections.update((client, upstream))
+            threading.Thread(
+                target=self._pump, args=(client, upstream), name="tcp-proxy-pump", daemon=True
+            ).start()
+
+    def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(client, selectors.EVENT_READ, upstream)
+        selector.register(upstream, selectors.EVENT_READ, client)
+        try:
+            while not self._stopped.is_set() and self._open.is_set():
+                for key, _ in selector.select(timeout=0.2):
+                    source: Any = key.fileobj
+                    data = source.recv(65536)
+                    if not data:
+                        return
+                    key.data.sendall(data)
+        except OSError:
+            return
+        finally:
+            selector.close()
+            self._close_pair(client, upstream)
+
+    def _close_pair(self, *sockets: socket.socket) -> None:
+        with self._lock:
+            for sock in sockets:
+                self._connections.discard(sock)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+    def cut(self) -> None:
+        """Drop every connection and refuse new ones until :meth:`restore`."""
+        self._open.clear()
+        with self._lock:
+            connections = list(self._connections)
+        self._close_pair(*connections)
+
+    def restore(self) -> None:
+        self._open.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.cut()
+        if self._listener is not None:
+            self._listener.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
