@@ -150,7 +150,7 @@ def create_payment() -> tuple[Response, int, dict[str, str]] | Response:
             "Fix the listed fields and send the request again.",
             errors=errors,
         )
-    time.sleep(current_app.config["GATEWAY_LATENCY"])  # the slow, side-effecting call a retry must not repeat
+    charge_gateway(payload["amount_cents"], payload["currency"].upper())
     payment = Payment(
         amount_cents=payload["amount_cents"],
         currency=payload["currency"].upper(),
@@ -179,6 +179,15 @@ def get_payment(payment_id: int) -> Response:
     if payment is None:
         abort(404, description=f"There is no payment {payment_id}.")
     return jsonify(payment.to_json())
+
+
+def charge_gateway(amount_cents: int, currency: str) -> None:
+    """Stand-in for the card network: slow, and the side effect a retry must not repeat.
+
+    It only waits ``GATEWAY_LATENCY`` seconds, long enough to send a duplicate
+    while the original is still in flight and watch it wait for the first answer.
+    """
+    time.sleep(current_app.config["GATEWAY_LATENCY"])
 
 
 def _validation_errors(payload: Any) -> list[dict[str, str]]:
