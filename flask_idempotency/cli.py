@@ -1,7 +1,448 @@
-"""The ``flask idempotency`` command group (CONTRACT C28)."""
+"""The ``flask idempotency`` command group (CONTRACT C28–C29).
+
+Every command reports a database it cannot reach as one ``Error:`` line and
+exit status 1, and none of them creates the table unless told to with
+``create-table``. Records are named as the request path names them: the digest
+of (scope, key), so the operator gives the raw key and the scope it was sent in.
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+import click
+from flask import current_app
 from flask.cli import AppGroup
+from sqlalchemy.exc import InterfaceError, OperationalError
+
+from .fingerprint import ANONYMOUS_SCOPE, key_digest
+from .keys import InvalidKey, parse_key
+from .maintenance import Maintenance, MaintenanceError, RecordView, TableMissing
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 idempotency_cli = AppGroup("idempotency", help="Maintain the Flask-Idempotency records.")
+
+#: Without a terminal, ``prune`` prints a progress line this often instead of a bar.
+_PROGRESS_EVERY_SECONDS = 5.0
+
+
+# -- plumbing --------------------------------------------------------------------------
+
+
+def _state() -> Any:
+    state = current_app.extensions.get("idempotency")
+    if state is None:
+        raise click.ClickException(
+            "Flask-Idempotency is not initialised on this app: call Idempotency(app)"
+            " or idempotency.init_app(app) in the app factory."
+        )
+    return state
+
+
+def _maintenance() -> Maintenance:
+    return Maintenance(_state().store)
+
+
+def _uses_migrations() -> bool:
+    """``Idempotency(db=...)``: the table lives on the app's metadata and its migrations."""
+    return _state().extension._db is not None
+
+
+def database_errors(command: F) -> F:
+    """Turn a database failure into one clear line and exit status 1, never a traceback."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except TableMissing as exc:
+            raise click.ClickException(_missing_table_help(str(exc))) from None
+        except MaintenanceError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, (OperationalError, InterfaceError)):
+                raise click.ClickException(f"database unavailable: {exc}") from None
+            raise click.ClickException(f"database error: {exc}") from None
+
+    return run  # type: ignore[return-value]
+
+
+def _missing_table_help(what: str) -> str:
+    table = _state().store.table.name
+    if _uses_migrations():
+        return (
+            f"{what}. Idempotency(db=...) defines it on your app's metadata; create it"
+            f" with a migration:\n"
+            f'  flask db migrate -m "add {table} table"\n'
+            f"  flask db upgrade"
+        )
+    return (
+        f"{what}. Create it with:\n"
+        f"  flask idempotency create-table\n"
+        f"or have your DBA run the statements of `flask idempotency create-table --sql`."
+    )
+
+
+def _iso(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    moment = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _relative(ms: int | None, now_ms: int) -> str:
+    if ms is None:
+        return ""
+    delta = (ms - now_ms) / 1000
+    span = _span(abs(delta))
+    return f" (in {span})" if delta >= 0 else f" ({span} ago)"
+
+
+def _span(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds // 60:.0f}m {seconds % 60:.0f}s"
+    if seconds < 86400:
+        return f"{seconds // 3600:.0f}h {seconds % 3600 // 60:.0f}m"
+    return f"{seconds // 86400:.0f}d {seconds % 86400 // 3600:.0f}h"
+
+
+# -- prune -----------------------------------------------------------------------------
+
+
+@idempotency_cli.command("prune")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 100_000),
+    default=1000,
+    show_default=True,
+    help="Rows deleted per transaction; smaller batches hold row locks for less time.",
+)
+@click.option("--dry-run", is_flag=True, help="Only count the records that would be deleted.")
+@click.option(
+    "--max-seconds",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help="Stop after this many seconds; the next run carries on.",
+)
+@click.option(
+    "--pause",
+    type=click.FloatRange(0),
+    default=0.0,
+    show_default=True,
+    help="Seconds to sleep between batches, to spare a busy database.",
+)
+@database_errors
+def prune_command(batch_size: int, dry_run: bool, max_seconds: float | None, pause: float) -> None:
+    """Delete expired records in bounded batches.
+
+    A record in progress whose lease is still live is never deleted, even past
+    its expiry. Safe to run from several hosts at once: on PostgreSQL each batch
+    skips rows another prune (or a request) holds locked.
+    """
+    maintenance = _maintenance()
+    maintenance.require_table()
+    if dry_run:
+        count = maintenance.count_prunable()
+        click.echo(f"{count} expired records would be deleted (dry run, nothing deleted).")
+        return
+    estimate = maintenance.count_prunable()
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    deleted = batches = 0
+    out_of_time = False
+    with _progress(estimate, show=estimate > batch_size) as advance:
+        while True:
+            try:
+                count = maintenance.prune_batch(batch_size)
+            except MaintenanceError:
+                if deleted:
+                    click.echo(f"Deleted {deleted} expired records before the error.", err=True)
+                raise
+            deleted += count
+            batches += 1
+            advance(count)
+            if count < batch_size:
+                break  # nothing (unlocked) left to delete
+            if deadline is not None and time.monotonic() >= deadline:
+                out_of_time = True
+                break
+            if pause:
+                time.sleep(pause)
+    click.echo(f"Deleted {deleted} expired records in {batches} batches.")
+    if out_of_time:
+        click.echo(
+            f"Stopped after --max-seconds {max_seconds:g}; about"
+            f" {max(estimate - deleted, 0)} expired records remain for the next run."
+        )
+
+
+@contextmanager
+def _progress(total: int, *, show: bool) -> Iterator[Callable[[int], None]]:
+    """A bar on a terminal, a line every few seconds in a log, nothing for short runs."""
+    if not show:
+        yield lambda count: None
+        return
+    if sys.stderr.isatty():
+        with click.progressbar(length=total, label="Pruning", file=sys.stderr) as bar:
+            yield bar.update
+        return
+    done = 0
+    last = time.monotonic()
+
+    def advance(count: int) -> None:
+        nonlocal done, last
+        done += count
+        if time.monotonic() - last >= _PROGRESS_EVERY_SECONDS:
+            last = time.monotonic()
+            click.echo(f"pruned {done} of about {total} expired records…", err=True)
+
+    yield advance
+
+
+# -- stats -----------------------------------------------------------------------------
+
+
+@idempotency_cli.command("stats")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+@database_errors
+def stats_command(as_json: bool) -> None:
+    """Records by state, the oldest claim in progress, and what prune would delete."""
+    maintenance = _maintenance()
+    maintenance.require_table()
+    stats = maintenance.stats()
+    if as_json:
+        click.echo(json.dumps(stats.__dict__, sort_keys=True))
+        return
+    now = stats.now_ms
+    lines = [
+        f"Table {maintenance.table.name} at {_iso(now)} (database clock)",
+        f"  records                 {stats.total}",
+        f"  completed               {stats.completed}",
+        f"  in progress             {stats.in_progress}",
+        f"    with a lapsed lease   {stats.stale_leases}",
+        f"  expired, awaiting prune {stats.prunable}",
+        f"  oldest in progress      created {_iso(stats.oldest_in_progress_created_ms)}"
+        f"{_relative(stats.oldest_in_progress_created_ms, now)}",
+        f"  earliest lease expiry   {_iso(stats.oldest_in_progress_lease_ms)}"
+        f"{_relative(stats.oldest_in_progress_lease_ms, now)}",
+        f"  earliest record expiry  {_iso(stats.oldest_expiry_ms)}"
+        f"{_relative(stats.oldest_expiry_ms, now)}",
+    ]
+    click.echo("\n".join(lines))
+
+
+# -- show / forget ---------------------------------------------------------------------
+
+
+def _record_options(command: F) -> F:
+    """The options that name a record the way the request path does."""
+    options = [
+        click.argument("key"),
+        click.option(
+            "--scope",
+            default=None,
+            help="The value your scope_loader returned for the request (tenant, user…).",
+        ),
+        click.option(
+            "--authorization",
+            default=None,
+            help="Without a scope_loader: the request's Authorization header value.",
+        ),
+        click.option(
+            "--digest",
+            "by_digest",
+            is_flag=True,
+            help="KEY is a record digest, or its first 8+ characters as logged.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _resolve_digest(
+    maintenance: Maintenance, key: str, scope: str | None, authorization: str | None, by_digest: bool
+) -> str:
+    """The digest the request path would give this (scope, key) (C5, C22)."""
+    given = [
+        name
+        for name, value in (("--scope", scope), ("--authorization", authorization))
+        if value is not None
+    ] + (["--digest"] if by_digest else [])
+    if len(given) > 1:
+        raise click.UsageError("Give at most one of --scope, --authorization and --digest.")
+    if by_digest:
+        prefix = key.strip().lower()
+        if len(prefix) < 8 or any(c not in "0123456789abcdef" for c in prefix):
+            raise click.BadParameter(
+                "a digest is hexadecimal, at least 8 characters.", param_hint="KEY"
+            )
+        if len(prefix) == 64:
+            return prefix
+        matches = maintenance.digests_starting_with(prefix)
+        if not matches:
+            raise click.ClickException(f"no record has a digest starting with {prefix}.")
+        if len(matches) > 1:
+            raise click.ClickException(f"several records start with {prefix}; give more of it.")
+        return matches[0]
+    try:
+        parsed = parse_key([key], strict=False, max_length=4096)
+    except InvalidKey as exc:
+        raise click.BadParameter(str(exc), param_hint="KEY") from None
+    assert parsed is not None  # a non-empty value is never "absent" outside strict mode
+    if scope is not None:
+        full_scope = "scope:" + scope
+    elif authorization is not None:
+        full_scope = "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
+    else:
+        full_scope = ANONYMOUS_SCOPE
+    return key_digest(full_scope, parsed)
+
+
+def _describe_record(record: RecordView) -> list[str]:
+    now = record.now_ms
+    lines = [
+        f"digest         {record.key_digest}",
+        f"scope          {record.scope}",
+        f"state          {record.state}",
+        f"request        {record.method} {record.path}",
+        f"created        {_iso(record.created_at_ms)}{_relative(record.created_at_ms, now)}",
+        f"expires        {_iso(record.expires_at_ms)}{_relative(record.expires_at_ms, now)}",
+    ]
+    if record.lease_expires_at_ms is not None:
+        lines.append(
+            f"lease until    {_iso(record.lease_expires_at_ms)}"
+            f"{_relative(record.lease_expires_at_ms, now)}"
+        )
+    if record.completed_at_ms is not None:
+        lines.append(
+            f"completed      {_iso(record.completed_at_ms)}{_relative(record.completed_at_ms, now)}"
+        )
+    if record.response_status is not None:
+        size = record.body_size or 0
+        omitted = " (body omitted: larger than IDEMPOTENCY_MAX_BODY_BYTES)" if record.body_omitted else ""
+        lines.append(f"status         {record.response_status}")
+        lines.append(f"body           {size} bytes{omitted}")
+        if record.response_headers:
+            headers = ", ".join(name for name, _ in json.loads(record.response_headers))
+            lines.append(f"headers        {headers}")
+    return lines
+
+
+@idempotency_cli.command("show")
+@_record_options
+@click.option("--body", "with_body", is_flag=True, help="Also print the stored response body.")
+@database_errors
+def show_command(
+    key: str, scope: str | None, authorization: str | None, by_digest: bool, with_body: bool
+) -> None:
+    """Show the record of an Idempotency-Key: state, times (UTC), status, body size.
+
+    With neither --scope nor --authorization the key is looked up in the shared
+    "anonymous" scope, where requests without credentials land.
+    """
+    maintenance = _maintenance()
+    maintenance.require_table()
+    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest)
+    record = maintenance.lookup(digest, with_body=with_body)
+    if record is None:
+        raise click.ClickException(f"no record for that key in this scope (digest {digest[:16]}).")
+    click.echo("\n".join(_describe_record(record)))
+    if with_body and record.body is not None:
+        click.echo("")
+        click.echo(record.body)
+
+
+@idempotency_cli.command("forget")
+@_record_options
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@database_errors
+def forget_command(
+    key: str, scope: str | None, authorization: str | None, by_digest: bool, yes: bool
+) -> None:
+    """Delete the record of an Idempotency-Key, whatever its state.
+
+    The next request with that key runs the view again: use it only when the
+    stored outcome is known to be wrong. The cached copy is dropped as well.
+    """
+    maintenance = _maintenance()
+    maintenance.require_table()
+    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest)
+    record = maintenance.lookup(digest)
+    if record is None:
+        raise click.ClickException(f"no record for that key in this scope (digest {digest[:16]}).")
+    click.echo("\n".join(_describe_record(record)))
+    lease_live = (
+        record.state == "in_progress"
+        and record.lease_expires_at_ms is not None
+        and record.lease_expires_at_ms > record.now_ms
+    )
+    if lease_live:
+        click.echo(
+            "warning: a request holds this key right now; forgetting it lets a retry run"
+            " the view a second time while the first is still running.",
+            err=True,
+        )
+    if not yes:
+        click.confirm("Forget this record so the key runs the view again?", abort=True)
+    deleted = maintenance.forget(digest)
+    _state().cache.discard(digest)
+    if deleted:
+        click.echo(f"Forgot the record {digest[:16]}.")
+    else:
+        click.echo(f"The record {digest[:16]} was already gone.")
+
+
+# -- schema ----------------------------------------------------------------------------
+
+
+@idempotency_cli.command("check")
+@database_errors
+def check_command() -> None:
+    """Check that the database answers and the table matches this version's definition."""
+    maintenance = _maintenance()
+    report = maintenance.check_schema()
+    if not report.exists:
+        raise TableMissing(f"the table {report.table!r} does not exist")
+    for warning in report.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if report.errors:
+        for error in report.errors:
+            click.echo(f"  - {error}", err=True)
+        raise click.ClickException(
+            f"the table {report.table!r} does not match what Flask-Idempotency expects"
+            f" ({len(report.errors)} problem{'s' if len(report.errors) != 1 else ''} above)."
+            " Migrate it to the definition in flask_idempotency/table.py."
+        )
+    click.echo(f"OK: the table {report.table!r} matches what Flask-Idempotency expects.")
+
+
+@idempotency_cli.command("create-table")
+@click.option("--sql", "sql_only", is_flag=True, help="Print the DDL instead of running it.")
+@database_errors
+def create_table_command(sql_only: bool) -> None:
+    """Create the records table, for apps that do not manage it with migrations."""
+    maintenance = _maintenance()
+    if sql_only:
+        click.echo(maintenance.create_ddl())
+        return
+    if _uses_migrations():
+        raise click.ClickException(
+            "this app passes db= to Idempotency, so the table belongs in its migrations:\n"
+            f'  flask db migrate -m "add {maintenance.table.name} table"\n'
+            "  flask db upgrade"
+        )
+    if maintenance.table_exists():
+        click.echo(f"The table {maintenance.table.name!r} already exists; nothing to do.")
+        return
+    maintenance.create_table()
+    click.echo(f"Created the table {maintenance.table.name!r}.")
