@@ -8,6 +8,7 @@ re-parses configuration and a mistyped value fails at start-up, not at 3 a.m.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -110,38 +111,64 @@ class Settings:
 
     def _validated(self) -> Settings:
         methods = _upper_set(self.methods, "IDEMPOTENCY_METHODS")
-        replay_headers = frozenset(h.lower() for h in _as_iterable(self.replay_headers))
+        if self.replay_headers is None:
+            raise ValueError("IDEMPOTENCY_REPLAY_HEADERS must be a list of header names.")
+        replay_headers = frozenset(
+            _header_name(h, "IDEMPOTENCY_REPLAY_HEADERS").lower()
+            for h in _as_iterable(self.replay_headers)
+        )
         blocked = sorted(replay_headers & NEVER_REPLAYED)
         if blocked:
             raise ValueError(
                 f"IDEMPOTENCY_REPLAY_HEADERS may not contain {', '.join(blocked)}:"
                 " these headers are per-response or hop-by-hop and are never replayed."
             )
-        for name in ("ttl", "lease"):
-            if float(getattr(self, name)) <= 0:
-                raise ValueError(f"IDEMPOTENCY_{name.upper()} must be a positive number of seconds.")
-        if float(self.wait) < 0:
-            raise ValueError("IDEMPOTENCY_WAIT must be zero or a positive number of seconds.")
-        if float(self.lease) >= float(self.ttl):
+        ttl = _seconds(self.ttl, "IDEMPOTENCY_TTL")
+        lease = _seconds(self.lease, "IDEMPOTENCY_LEASE")
+        wait = _seconds(self.wait, "IDEMPOTENCY_WAIT", allow_zero=True)
+        if lease >= ttl:
             raise ValueError("IDEMPOTENCY_LEASE must be shorter than IDEMPOTENCY_TTL.")
-        if not 1 <= int(self.key_max_length) <= 4096:
+        key_max_length = _integer(self.key_max_length, "IDEMPOTENCY_KEY_MAX_LENGTH")
+        if not 1 <= key_max_length <= 4096:
             raise ValueError("IDEMPOTENCY_KEY_MAX_LENGTH must be between 1 and 4096.")
-        if int(self.max_body_bytes) < 0:
+        max_body_bytes = _integer(self.max_body_bytes, "IDEMPOTENCY_MAX_BODY_BYTES")
+        if max_body_bytes < 0:
             raise ValueError("IDEMPOTENCY_MAX_BODY_BYTES must not be negative.")
+        max_waiters = _integer(self.max_waiters, "IDEMPOTENCY_MAX_WAITERS")
+        if max_waiters < 0:
+            raise ValueError("IDEMPOTENCY_MAX_WAITERS must not be negative.")
         if not self.header or not self.replay_header:
             raise ValueError("IDEMPOTENCY_HEADER and IDEMPOTENCY_REPLAY_HEADER must be set.")
+        _header_name(self.header, "IDEMPOTENCY_HEADER")
+        _header_name(self.replay_header, "IDEMPOTENCY_REPLAY_HEADER")
         base = self.problem_type_base
+        if not isinstance(base, str) or not base:
+            raise ValueError("IDEMPOTENCY_PROBLEM_TYPE_BASE must be a URI.")
         return dataclasses.replace(
             self,
             methods=methods,
             replay_headers=replay_headers,
-            ttl=float(self.ttl),
-            lease=float(self.lease),
-            wait=float(self.wait),
-            key_max_length=int(self.key_max_length),
-            max_body_bytes=int(self.max_body_bytes),
-            max_waiters=int(self.max_waiters),
-            redis_socket_timeout=float(self.redis_socket_timeout),
+            required=_flag(self.required, "IDEMPOTENCY_REQUIRED"),
+            strict_header=_flag(self.strict_header, "IDEMPOTENCY_STRICT_HEADER"),
+            store_server_errors=_flag(
+                self.store_server_errors, "IDEMPOTENCY_STORE_SERVER_ERRORS"
+            ),
+            fail_open=_flag(self.fail_open, "IDEMPOTENCY_FAIL_OPEN"),
+            atomic=_flag(self.atomic, "IDEMPOTENCY_ATOMIC"),
+            create_table=(
+                None
+                if self.create_table is None
+                else _flag(self.create_table, "IDEMPOTENCY_CREATE_TABLE")
+            ),
+            ttl=ttl,
+            lease=lease,
+            wait=wait,
+            key_max_length=key_max_length,
+            max_body_bytes=max_body_bytes,
+            max_waiters=max_waiters,
+            redis_socket_timeout=_seconds(
+                self.redis_socket_timeout, "IDEMPOTENCY_REDIS_SOCKET_TIMEOUT"
+            ),
             problem_type_base=base if base.endswith(("/", "#", ":")) else base + "/",
         )
 
@@ -161,12 +188,17 @@ class RouteOptions:
     def __post_init__(self) -> None:
         if self.methods is not None:
             object.__setattr__(self, "methods", _upper_set(self.methods, "methods"))
-        for name in ("ttl", "lease"):
+        for name in ("ttl", "lease", "wait"):
             value = getattr(self, name)
-            if value is not None and float(value) <= 0:
-                raise ValueError(f"@idempotent({name}=...) must be a positive number of seconds.")
-        if self.wait is not None and float(self.wait) < 0:
-            raise ValueError("@idempotent(wait=...) must be zero or positive.")
+            if value is not None:
+                seconds = _seconds(value, f"@idempotent({name}=...)", allow_zero=name == "wait")
+                object.__setattr__(self, name, seconds)
+        for name in ("required", "atomic", "store_server_errors"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _flag(value, f"@idempotent({name}=...)"))
+        if self.ttl is not None and self.lease is not None and self.lease >= self.ttl:
+            raise ValueError("@idempotent(lease=...) must be shorter than its ttl.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,8 +239,70 @@ def _as_iterable(value: Any) -> Iterable[str]:
     return list(value)
 
 
+#: Methods a key never applies to: they are safe, and replaying them is a bug class (R2).
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "CONNECT"})
+_TCHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
 def _upper_set(value: Any, name: str) -> frozenset[str]:
-    methods = frozenset(m.upper() for m in _as_iterable(value))
+    if value is None:
+        raise ValueError(f"{name} must name at least one HTTP method.")
+    methods: set[str] = set()
+    for method in _as_iterable(value):
+        if not isinstance(method, str) or not method or not set(method) <= _TCHARS:
+            raise ValueError(f"{name}: {method!r} is not an HTTP method name.")
+        methods.add(method.upper())
     if not methods:
         raise ValueError(f"{name} must name at least one HTTP method.")
-    return methods
+    safe = sorted(methods & SAFE_METHODS)
+    if safe:
+        raise ValueError(
+            f"{name} may not contain {', '.join(safe)}: safe methods are never deduplicated"
+            " or replayed; a key sent with them is ignored."
+        )
+    return frozenset(methods)
+
+
+def _header_name(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value or not set(value) <= _TCHARS:
+        raise ValueError(f"{name}: {value!r} is not a valid HTTP header name.")
+    return value
+
+
+def _seconds(value: Any, name: str, *, allow_zero: bool = False) -> float:
+    """A finite number of seconds; a clear error instead of a 500 at the first request."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number of seconds, not {value!r}.")  # noqa: TRY004
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of seconds, not {value!r}.") from None
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        kind = "zero or a positive" if allow_zero else "a positive"
+        raise ValueError(f"{name} must be {kind} number of seconds, not {value!r}.")
+    return seconds
+
+
+def _integer(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, not {value!r}.")  # noqa: TRY004
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be an integer, not {value!r}.") from None
+    if isinstance(value, float) and number != value:
+        raise ValueError(f"{name} must be an integer, not {value!r}.")
+    return number
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A boolean; strings from environment variables ("true", "0", …) are understood."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{name} must be True or False, not {value!r}.")
