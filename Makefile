@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PORT ?= 5000
+HOST ?= 127.0.0.1
 
 .PHONY: install run test test-fast lint chaos bench clean
 
@@ -15,8 +16,10 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The example payments API on the embedded default (SQLite in instance/, no Redis);
+# DATABASE_URL / REDIS_URL / GATEWAY_LATENCY change that (see README).
 run: install
-	$(PY) -m example.serve --port $(PORT)
+	$(PY) -m example.serve --host $(HOST) --port $(PORT)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
