@@ -87,7 +87,7 @@ def test_c3_invalid_key_says_why() -> None:
 # -- RFC 9651 String (httpwg string.json / string-generated.json) ------------------------
 
 
-@pytest.mark.parametrize("code", [*range(0x00, 0x20), 0x7F])
+@pytest.mark.parametrize("code", [*range(0x20), 0x7F])
 @pytest.mark.parametrize("strict", [False, True])
 def test_c3_control_bytes_inside_quotes_fail(code: int, strict: bool) -> None:
     """Every control byte and DEL inside an sf-string fails (string-generated.json)."""
