@@ -1,0 +1,564 @@
+"""``flask idempotency …``: prune, stats, show, forget, check, create-table (C28, C30).
+
+Run through ``app.test_cli_runner()`` and as the real ``flask`` executable, against
+the session's private PostgreSQL database; the plain batched delete of SQLite
+gets one test of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flask import Flask, jsonify, request
+from sqlalchemy import func, insert, select, text
+
+from flask_idempotency import Idempotency, idempotent
+from flask_idempotency.fingerprint import key_digest
+from flask_idempotency.maintenance import Maintenance
+from flask_idempotency.table import db_now_ms
+
+from .support.gunicorn import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FLASK = Path(sys.executable).with_name("flask")
+ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+DELETED = re.compile(r"Deleted (\d+) expired records in (\d+) batches\.")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def store_of(app: Flask) -> Any:
+    return app.extensions["idempotency"].store
+
+
+def add_record(
+    app: Flask,
+    *,
+    state: str,
+    expires_in_ms: int,
+    lease_in_ms: int | None = None,
+    status: int | None = None,
+    body: bytes | None = None,
+) -> str:
+    """Insert one record with times relative to the database clock; return its digest."""
+    store = store_of(app)
+    digest = uuid.uuid4().hex * 2
+    now = db_now_ms()
+    values: dict[str, Any] = dict(
+        key_digest=digest,
+        scope="anonymous",
+        fingerprint="f" * 64,
+        method="POST",
+        path="/pay",
+        state=state,
+        lock_token=uuid.uuid4().hex if state == "in_progress" else None,
+        created_at_ms=now - 1000,
+        expires_at_ms=now + expires_in_ms,
+        lease_expires_at_ms=None if lease_in_ms is None else now + lease_in_ms,
+        completed_at_ms=now - 500 if state == "completed" else None,
+        response_status=status if status is not None else (201 if state == "completed" else None),
+        response_headers="[]" if state == "completed" else None,
+        response_body=body if body is not None else (b"{}" if state == "completed" else None),
+    )
+    with store.autocommit.connect() as conn:
+        conn.execute(insert(store.table).values(**values))
+    return digest
+
+
+def digests(app: Flask) -> set[str]:
+    store = store_of(app)
+    with store.autocommit.connect() as conn:
+        return set(conn.execute(select(store.table.c.key_digest)).scalars())
+
+
+def row_count(app: Flask) -> int:
+    store = store_of(app)
+    with store.autocommit.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(store.table)).scalar_one())
+
+
+def add_expired_rows(app: Flask, count: int) -> None:
+    """``count`` expired completed records in one statement (PostgreSQL)."""
+    store = store_of(app)
+    table = store.table.name
+    with store.autocommit.connect() as conn:
+        conn.execute(
+            text(
+                f"""
+                INSERT INTO "{table}" (key_digest, scope, fingerprint, method, path, state,
+                                       created_at_ms, expires_at_ms, completed_at_ms,
+                                       response_status, response_headers, response_body)
+                SELECT lpad(g::text, 64, '0'), 'anonymous', repeat('f', 64), 'POST', '/pay',
+                       'completed', now_ms - 100000, now_ms - 1000 - g, now_ms - 99000,
+                       201, '[]', '\\x7b7d'::bytea
+                  FROM generate_series(1, :count) AS g,
+                       (SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)
+                          AS now_ms) AS clock
+                """
+            ),
+            {"count": count},
+        )
+
+
+def mixed_table(app: Flask) -> dict[str, str]:
+    """One record of each kind prune must tell apart."""
+    hour = 3_600_000
+    return {
+        "expired_completed": add_record(app, state="completed", expires_in_ms=-hour),
+        "live_completed": add_record(app, state="completed", expires_in_ms=hour),
+        # Past its expiry but its owner is still running: must survive (C21, C28).
+        "expired_live_lease": add_record(
+            app, state="in_progress", expires_in_ms=-hour, lease_in_ms=hour
+        ),
+        "expired_lapsed_lease": add_record(
+            app, state="in_progress", expires_in_ms=-hour, lease_in_ms=-hour
+        ),
+        "live_lapsed_lease": add_record(
+            app, state="in_progress", expires_in_ms=hour, lease_in_ms=-1000
+        ),
+    }
+
+
+def run_flask(url: str, table: str, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    """The real ``flask`` executable, as an operator or a cron job runs it."""
+    return subprocess.run(
+        [str(FLASK), "--app", "tests.cli_app:create_app", "idempotency", *args],
+        cwd=REPO_ROOT,
+        env=_flask_env(url, table),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _flask_env(url: str, table: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(IDEMPOTENCY_DATABASE_URI=url, IDEMPOTENCY_TABLE=table, PYTHONPATH=str(REPO_ROOT))
+    env.pop("FLASK_APP", None)
+    return env
+
+
+@pytest.fixture
+def pg_app(make_pg_app: Any) -> Flask:
+    app, _ = make_pg_app()
+    return app
+
+
+@pytest.fixture
+def pg_uri(pg_url: Any) -> str:
+    return str(pg_url.render_as_string(hide_password=False))
+
+
+# -- prune -----------------------------------------------------------------------------
+
+
+def test_c28_prune_deletes_expired_and_spares_live_leases_pg(pg_app: Flask) -> None:
+    records = mixed_table(pg_app)
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "prune"])
+    assert result.exit_code == 0, result.output
+    assert DELETED.search(result.output).group(1) == "2"  # type: ignore[union-attr]
+    assert digests(pg_app) == {
+        records["live_completed"],
+        records["expired_live_lease"],
+        records["live_lapsed_lease"],
+    }
+
+
+def test_c28_prune_on_sqlite_uses_the_plain_batched_delete(make_app: Any) -> None:
+    app, _ = make_app()
+    records = mixed_table(app)
+    for _ in range(5):
+        add_record(app, state="completed", expires_in_ms=-60_000)
+    result = app.test_cli_runner().invoke(args=["idempotency", "prune", "--batch-size", "2"])
+    assert result.exit_code == 0, result.output
+    match = DELETED.search(result.output)
+    assert match is not None and match.groups() == ("7", "4"), result.output
+    assert records["expired_live_lease"] in digests(app)
+    assert records["expired_completed"] not in digests(app)
+
+
+def test_c28_prune_dry_run_counts_and_deletes_nothing(pg_app: Flask) -> None:
+    mixed_table(pg_app)
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "prune", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "2 expired records would be deleted" in result.output
+    assert row_count(pg_app) == 5
+
+
+def test_c28_prune_works_in_bounded_batches(pg_app: Flask) -> None:
+    add_expired_rows(pg_app, 2500)
+    result = pg_app.test_cli_runner().invoke(
+        args=["idempotency", "prune", "--batch-size", "1000"]
+    )
+    assert result.exit_code == 0, result.output
+    match = DELETED.search(result.output)
+    assert match is not None and match.groups() == ("2500", "3"), result.output
+    assert row_count(pg_app) == 0
+
+
+def test_c28_prune_max_seconds_stops_between_batches(pg_app: Flask) -> None:
+    add_expired_rows(pg_app, 50)
+    # A budget far smaller than one batch: exactly one batch runs, then it stops.
+    result = pg_app.test_cli_runner().invoke(
+        args=["idempotency", "prune", "--batch-size", "10", "--max-seconds", "0.000001"]
+    )
+    assert result.exit_code == 0, result.output
+    match = DELETED.search(result.output)
+    assert match is not None and match.groups() == ("10", "1"), result.output
+    assert "40 expired records remain" in result.output
+    assert row_count(pg_app) == 40
+
+
+def test_c28_prune_rejects_bad_arguments(pg_app: Flask) -> None:
+    runner = pg_app.test_cli_runner()
+    for args in (["--batch-size", "0"], ["--batch-size", "many"], ["--max-seconds", "0"]):
+        result = runner.invoke(args=["idempotency", "prune", *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert "Invalid value" in result.output
+
+
+def test_c28_prune_as_a_real_subprocess(pg_app: Flask, pg_uri: str, pg_table: str) -> None:
+    records = mixed_table(pg_app)
+    add_expired_rows(pg_app, 3000)
+    done = run_flask(pg_uri, pg_table, "prune", "--batch-size", "500")
+    assert done.returncode == 0, done.stderr
+    assert DELETED.search(done.stdout).groups() == ("3002", "7"), done.stdout  # type: ignore[union-attr]
+    assert "Traceback" not in done.stderr
+    assert records["expired_live_lease"] in digests(pg_app)
+    assert row_count(pg_app) == 3
+
+
+def test_c28_prune_skips_rows_another_transaction_holds(pg_app: Flask, pg_uri: str, pg_table: str) -> None:
+    """A prune never queues behind a locked row: it leaves it for the next run (SKIP LOCKED)."""
+    add_expired_rows(pg_app, 300)
+    store = store_of(pg_app)
+    t = store.table
+    with store.engine.connect() as holder:
+        with holder.begin():
+            held = holder.execute(
+                select(t.c.id).order_by(t.c.expires_at_ms).limit(50).with_for_update()
+            ).scalars().all()
+            assert len(held) == 50
+            # A prune that waited for the lock would hit the subprocess timeout.
+            done = run_flask(pg_uri, pg_table, "prune", "--batch-size", "100", timeout=60)
+            assert done.returncode == 0, done.stderr
+            assert DELETED.search(done.stdout).group(1) == "250", done.stdout  # type: ignore[union-attr]
+    assert row_count(pg_app) == 50
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "prune"])
+    assert DELETED.search(result.output).group(1) == "50", result.output  # type: ignore[union-attr]
+    assert row_count(pg_app) == 0
+
+
+def test_c28_concurrent_prunes_delete_each_row_once_threads(pg_app: Flask) -> None:
+    total = 20_000
+    add_expired_rows(pg_app, total)
+    maintenance = Maintenance(store_of(pg_app))
+    start = threading.Barrier(4)
+    counts: list[int] = []
+    errors: list[BaseException] = []
+
+    def prune() -> None:
+        deleted = 0
+        try:
+            start.wait()
+            while (batch := maintenance.prune_batch(250)) > 0:
+                deleted += batch
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        counts.append(deleted)
+
+    threads = [threading.Thread(target=prune) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert sum(counts) == total, counts
+    assert row_count(pg_app) == 0
+
+
+def test_c28_two_prune_processes_at_once(pg_app: Flask, pg_uri: str, pg_table: str) -> None:
+    total = 40_000
+    add_expired_rows(pg_app, total)
+    env = _flask_env(pg_uri, pg_table)
+    command = [
+        str(FLASK), "--app", "tests.cli_app:create_app",
+        "idempotency", "prune", "--batch-size", "200", "--pause", "0.005",
+    ]
+    processes = [
+        subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=100)
+            outputs.append((process.returncode, stdout, stderr))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for returncode, stdout, stderr in outputs:
+        assert returncode == 0, stderr
+        assert "Traceback" not in stderr
+    reported = [int(DELETED.search(stdout).group(1)) for _, stdout, _ in outputs]  # type: ignore[union-attr]
+    assert sum(reported) == total, reported
+    assert row_count(pg_app) == 0
+
+
+# -- a store that is down -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["prune"], ["stats"], ["check"], ["show", "k"], ["forget", "k", "--yes"]])
+def test_c28_database_down_is_one_line_and_exit_1(command: list[str]) -> None:
+    app = Flask(__name__)
+    app.config["IDEMPOTENCY_DATABASE_URI"] = (
+        f"postgresql+psycopg2://postgres@127.0.0.1:{free_port()}/nowhere"
+    )
+    Idempotency(app)
+    result = app.test_cli_runner().invoke(args=["idempotency", *command])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: database unavailable: "), result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_c28_database_down_in_a_real_subprocess(pg_table: str) -> None:
+    dead = f"postgresql+psycopg2://postgres@127.0.0.1:{free_port()}/nowhere"
+    done = run_flask(dead, pg_table, "prune")
+    assert done.returncode == 1
+    assert done.stderr.startswith("Error: database unavailable: "), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# -- stats -----------------------------------------------------------------------------
+
+
+def test_c28_stats_counts_records_by_state(pg_app: Flask) -> None:
+    mixed_table(pg_app)
+    runner = pg_app.test_cli_runner()
+    result = runner.invoke(args=["idempotency", "stats", "--json"])
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.output)
+    assert (stats["total"], stats["completed"], stats["in_progress"]) == (5, 2, 3)
+    assert stats["stale_leases"] == 2
+    assert stats["prunable"] == 2
+    assert stats["oldest_in_progress_created_ms"] < stats["now_ms"]
+    text_result = runner.invoke(args=["idempotency", "stats"])
+    assert text_result.exit_code == 0
+    assert re.search(r"expired, awaiting prune\s+2", text_result.output)
+    assert re.search(r"with a lapsed lease\s+2", text_result.output)
+    assert ISO_UTC.search(text_result.output)
+
+
+# -- show / forget -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def payments_app(make_pg_app: Any) -> tuple[Flask, list[int]]:
+    """A protected view whose scope is the ``X-Tenant`` header, and a count of its runs."""
+    app, ext = make_pg_app()
+    calls: list[int] = []
+
+    @ext.scope_loader
+    def tenant() -> str | None:
+        return request.headers.get("X-Tenant")
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        calls.append(1)
+        return jsonify(receipt="secret-receipt-42", n=len(calls)), 201
+
+    return app, calls
+
+
+def test_c28_show_names_the_record_by_key_and_scope(payments_app: tuple[Flask, list[int]]) -> None:
+    app, _ = payments_app
+    client = app.test_client()
+    first = client.post(
+        "/pay", json={"a": 1}, headers={"Idempotency-Key": "order-1", "X-Tenant": "acme"}
+    )
+    assert first.status_code == 201
+    runner = app.test_cli_runner()
+
+    shown = runner.invoke(args=["idempotency", "show", "order-1", "--scope", "acme"])
+    assert shown.exit_code == 0, shown.output
+    assert re.search(r"state\s+completed", shown.output)
+    assert re.search(r"status\s+201", shown.output)
+    assert re.search(rf"body\s+{len(first.data)} bytes", shown.output)
+    assert len(ISO_UTC.findall(shown.output)) >= 3  # created, expires, completed
+    assert "secret-receipt-42" not in shown.output  # the body only on request
+    assert key_digest("scope:acme", "order-1") in shown.output
+
+    with_body = runner.invoke(args=["idempotency", "show", "order-1", "--scope", "acme", "--body"])
+    assert with_body.exit_code == 0
+    assert "secret-receipt-42" in with_body.output
+
+    # The header's structured-field form names the same key (C2).
+    quoted = runner.invoke(args=["idempotency", "show", '"order-1"', "--scope", "acme"])
+    assert quoted.exit_code == 0
+
+    other_scope = runner.invoke(args=["idempotency", "show", "order-1", "--scope", "globex"])
+    assert other_scope.exit_code == 1
+    assert "no record for that key in this scope" in other_scope.output
+
+    prefix = key_digest("scope:acme", "order-1")[:16]
+    by_digest = runner.invoke(args=["idempotency", "show", prefix, "--digest"])
+    assert by_digest.exit_code == 0 and "scope:acme" in by_digest.output
+
+
+def test_c28_show_default_scopes(payments_app: tuple[Flask, list[int]]) -> None:
+    app, _ = payments_app
+    client = app.test_client()
+    client.post("/pay", json={"a": 2}, headers={"Idempotency-Key": "anon-1"})
+    client.post(
+        "/pay", json={"a": 3}, headers={"Idempotency-Key": "auth-1", "Authorization": "Bearer t0k"}
+    )
+    runner = app.test_cli_runner()
+    assert runner.invoke(args=["idempotency", "show", "anon-1"]).exit_code == 0
+    assert runner.invoke(args=["idempotency", "show", "auth-1"]).exit_code == 1
+    shown = runner.invoke(
+        args=["idempotency", "show", "auth-1", "--authorization", "Bearer t0k"]
+    )
+    assert shown.exit_code == 0, shown.output
+    assert "scope          auth:" in shown.output
+
+
+def test_c28_show_and_forget_reject_bad_arguments(payments_app: tuple[Flask, list[int]]) -> None:
+    app, _ = payments_app
+    runner = app.test_cli_runner()
+    for args in (
+        ["show", "a,b"],
+        ["show", "k", "--scope", "x", "--authorization", "y"],
+        ["show", "zz", "--digest"],
+        ["forget", ""],
+    ):
+        result = runner.invoke(args=["idempotency", *args])
+        assert result.exit_code == 2, (args, result.output)
+
+
+def test_c28_show_in_progress_record_has_its_lease(pg_app: Flask) -> None:
+    digest = add_record(pg_app, state="in_progress", expires_in_ms=60_000, lease_in_ms=30_000)
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "show", digest, "--digest"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"state\s+in_progress", result.output)
+    assert re.search(r"lease until\s+\S+Z \(in ", result.output)
+    assert "status" not in result.output
+
+
+def test_c28_forget_asks_first_then_the_key_runs_again(payments_app: tuple[Flask, list[int]]) -> None:
+    app, calls = payments_app
+    client = app.test_client()
+    headers = {"Idempotency-Key": "order-9", "X-Tenant": "acme"}
+    client.post("/pay", json={"a": 1}, headers=headers)
+    replay = client.post("/pay", json={"a": 1}, headers=headers)
+    assert replay.headers.get("Idempotent-Replayed") == "true" and len(calls) == 1
+    runner = app.test_cli_runner()
+
+    declined = runner.invoke(
+        args=["idempotency", "forget", "order-9", "--scope", "acme"], input="n\n"
+    )
+    assert declined.exit_code == 1 and "Aborted" in declined.output
+    assert key_digest("scope:acme", "order-9") in digests(app)
+
+    confirmed = runner.invoke(
+        args=["idempotency", "forget", "order-9", "--scope", "acme"], input="y\n"
+    )
+    assert confirmed.exit_code == 0, confirmed.output
+    assert "Forgot the record" in confirmed.output
+    assert key_digest("scope:acme", "order-9") not in digests(app)
+
+    again = client.post("/pay", json={"a": 1}, headers=headers)
+    assert again.status_code == 201 and "Idempotent-Replayed" not in again.headers
+    assert len(calls) == 2
+
+    skipped = runner.invoke(args=["idempotency", "forget", "order-9", "--scope", "acme", "--yes"])
+    assert skipped.exit_code == 0 and "Forgot the record" in skipped.output
+    missing = runner.invoke(args=["idempotency", "forget", "order-9", "--scope", "acme", "--yes"])
+    assert missing.exit_code == 1 and "no record" in missing.output
+
+
+def test_c28_forget_warns_about_a_request_in_flight(pg_app: Flask) -> None:
+    digest = add_record(pg_app, state="in_progress", expires_in_ms=60_000, lease_in_ms=30_000)
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "forget", digest, "--digest", "--yes"])
+    assert result.exit_code == 0, result.output
+    assert "a request holds this key right now" in result.output
+    assert digest not in digests(pg_app)
+
+
+# -- check / create-table ---------------------------------------------------------------------
+
+
+def _alter(app: Flask, statement: str) -> None:
+    store = store_of(app)
+    with store.autocommit.connect() as conn:
+        conn.execute(text(statement.format(table=f'"{store.table.name}"')))
+
+
+def test_c28_check_accepts_the_table_the_code_defines(pg_app: Flask) -> None:
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "check"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("OK: ")
+
+
+def test_c28_check_fails_on_a_missing_column(pg_app: Flask) -> None:
+    _alter(pg_app, "ALTER TABLE {table} DROP COLUMN body_omitted")
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "check"])
+    assert result.exit_code == 1, result.output
+    assert "missing column body_omitted" in result.output
+    assert "does not match" in result.output
+
+
+def test_c28_check_fails_on_a_wrong_type_and_a_missing_unique_key(pg_app: Flask) -> None:
+    table = store_of(pg_app).table.name
+    _alter(pg_app, "ALTER TABLE {table} ALTER COLUMN lock_token TYPE varchar(8)")
+    _alter(pg_app, f'ALTER TABLE {{table}} DROP CONSTRAINT "uq_{table}_key_digest"')
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "check"])
+    assert result.exit_code == 1, result.output
+    assert "column lock_token is VARCHAR(8), expected VARCHAR(32)" in result.output
+    assert "no unique constraint or unique index on key_digest" in result.output
+
+
+def test_c28_check_only_warns_about_the_prune_index(pg_app: Flask) -> None:
+    table = store_of(pg_app).table.name
+    _alter(pg_app, f'DROP INDEX "ix_{table}_expires_at_ms"')
+    _alter(pg_app, "ALTER TABLE {table} ADD COLUMN note text")
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "check"])
+    assert result.exit_code == 0, result.output
+    assert "warning: no index starting with expires_at_ms" in result.output
+    assert "warning: unexpected column note" in result.output
+
+
+def test_c28_missing_table_says_how_to_create_it(pg_app: Flask) -> None:
+    store_of(pg_app).table.drop(store_of(pg_app).engine)
+    runner = pg_app.test_cli_runner()
+    for command in (["check"], ["prune"], ["stats"]):
+        result = runner.invoke(args=["idempotency", *command])
+        assert result.exit_code == 1, result.output
+        assert "does not exist" in result.output
+        assert "flask idempotency create-table" in result.output
+    ddl = runner.invoke(args=["idempotency", "create-table", "--sql"])
+    assert ddl.exit_code == 0 and "CREATE TABLE" in ddl.output and "CREATE INDEX" in ddl.output
+    # Nothing so far created the table behind the operator's back.
+    assert not Maintenance(store_of(pg_app)).table_exists()
+    created = runner.invoke(args=["idempotency", "create-table"])
+    assert created.exit_code == 0 and "Created" in created.output
+    assert runner.invoke(args=["idempotency", "check"]).exit_code == 0
+    again = runner.invoke(args=["idempotency", "create-table"])
+    assert again.exit_code == 0 and "already exists" in again.output
