@@ -83,7 +83,7 @@ class Completed:
                     body_omitted=bool(data["om"]),
                 ),
             )
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
 

@@ -1,0 +1,268 @@
+"""One Redis pub/sub subscriber per worker process, waking parked requests (C10, R83).
+
+Every process keeps a single subscriber connection and a single daemon thread per
+(Redis, channel), shared by every app that uses them, started on the first parked
+request, never at import or in ``init_app``. Only that thread touches the redis-py
+``PubSub`` object, which is not safe to share between threads. Request threads
+only register their app's :class:`~flask_idempotency.wakeup.WakeupHub` here.
+
+Pub/sub is at-most-once: anything published while we are disconnected is lost.
+So the listener counts as live only after the server's subscribe acknowledgement
+has been read (``subscribe()`` returns before it), and every (re)subscription and
+every disconnect wakes all local waiters so they re-read the store. A heartbeat
+PING whose PONG never comes back exposes a half-open connection that a plain read
+would wait on forever. After a fork the child forgets the parent's listeners (the
+thread did not survive the fork and the socket is the parent's), so gunicorn
+``--preload`` starts a fresh one in each worker on its first need.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .wakeup import WakeupHub
+
+log = logging.getLogger("flask_idempotency")
+
+#: Seconds one ``get_message`` call may block: bounds how late ``stop()`` is noticed.
+READ_TICK = 0.5
+#: Seconds of silence after which the listener sends a heartbeat PING.
+HEARTBEAT_INTERVAL = 5.0
+#: Seconds a heartbeat or the subscribe acknowledgement may take before we reconnect.
+ANSWER_TIMEOUT = 5.0
+#: Reconnect back-off: first delay and ceiling, in seconds.
+BACKOFF_FIRST = 0.25
+BACKOFF_CAP = 10.0
+
+_HEARTBEAT = "flask-idempotency-heartbeat"
+
+
+class ListenerLost(Exception):
+    """The subscription stopped answering; the listener reconnects."""
+
+
+class WakeupListener:
+    """The subscriber thread of one (process, Redis, channel)."""
+
+    def __init__(
+        self,
+        connect: Callable[[], Any],
+        channel: str,
+        *,
+        first_wait: float = 0.5,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        answer_timeout: float = ANSWER_TIMEOUT,
+    ) -> None:
+        self._connect = connect
+        self.channel = channel
+        self._first_wait = first_wait
+        self._heartbeat_interval = heartbeat_interval
+        self._answer_timeout = answer_timeout
+        self._hubs: weakref.WeakSet[WakeupHub] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._confirmed = threading.Event()
+        self._first_attempt_done = threading.Event()
+        self._stopping = threading.Event()
+        self._pid = os.getpid()
+        #: How many times a subscription was confirmed (1 + reconnects); for tests and stats.
+        self.subscriptions = 0
+        #: Wake-up messages received and dispatched.
+        self.messages = 0
+
+    # -- request threads -----------------------------------------------------------
+
+    def ensure(self, hub: WakeupHub) -> bool:
+        """Deliver wake-ups to ``hub``; ``True`` once the subscription is confirmed.
+
+        The first caller in a process starts the thread and waits a little for the
+        acknowledgement, so the first parked request already gets messages; later
+        callers never wait (they poll until the listener is back).
+        """
+        with self._lock:
+            self._hubs.add(hub)
+            if self._thread is None and not self._stopping.is_set():
+                self._thread = threading.Thread(
+                    target=self._run, name="flask-idempotency-wakeups", daemon=True
+                )
+                self._thread.start()
+        if not self._confirmed.is_set() and not self._first_attempt_done.is_set():
+            self._first_attempt_done.wait(self._first_wait)
+        return self._confirmed.is_set()
+
+    @property
+    def live(self) -> bool:
+        """Whether the subscription is confirmed right now."""
+        return self._confirmed.is_set()
+
+    @property
+    def usable(self) -> bool:
+        """Still the listener of this process (not stopped, not inherited over a fork)."""
+        return not self._stopping.is_set() and self._pid == os.getpid()
+
+    def wait_until_live(self, timeout: float) -> bool:
+        """Block until the subscription is confirmed (tests, health checks)."""
+        return self._confirmed.wait(timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and close the connection; for tests and shutdown."""
+        self._stopping.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def abandon(self) -> None:
+        """Forget a listener inherited over ``fork()``: its thread does not exist here."""
+        self._stopping.set()
+        self._confirmed.clear()
+
+    # -- the listener thread -----------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = BACKOFF_FIRST
+        outage_logged = False
+        while not self._stopping.is_set():
+            pubsub = None
+            try:
+                pubsub = self._connect().pubsub(ignore_subscribe_messages=False)
+                pubsub.subscribe(self.channel)
+                self._read_until_lost(pubsub)
+            except Exception as exc:  # noqa: BLE001 - any failure means "reconnect"
+                new_outage = self._confirmed.is_set() or not outage_logged
+                if new_outage and not self._stopping.is_set():
+                    log.info(
+                        "idempotency: wake-up listener lost Redis (%s); parked requests"
+                        " poll the database until it returns",
+                        _describe(exc),
+                    )
+                    outage_logged = True
+            finally:
+                was_live = self._confirmed.is_set()
+                self._confirmed.clear()
+                self._first_attempt_done.set()
+                if pubsub is not None:
+                    _close_quietly(pubsub)
+                self._wake_all()  # messages may be lost from now on: everyone re-checks
+            if was_live:
+                backoff = BACKOFF_FIRST
+            if self._stopping.wait(backoff):
+                break
+            backoff = min(backoff * 2, BACKOFF_CAP)
+
+    def _read_until_lost(self, pubsub: Any) -> None:
+        """Dispatch messages until the connection fails, goes quiet, or we stop."""
+        started = last_heard = time.monotonic()
+        ping_sent_at: float | None = None
+        while not self._stopping.is_set():
+            message = pubsub.get_message(timeout=READ_TICK)
+            now = time.monotonic()
+            if message is not None:
+                last_heard = now
+                kind = message.get("type")
+                if kind == "message":
+                    self._dispatch(message.get("data"))
+                elif kind == "subscribe":
+                    self._on_subscribed()
+                elif kind == "pong":
+                    ping_sent_at = None
+                elif kind == "unsubscribe":
+                    raise ListenerLost("the server dropped the subscription")
+            if not self._confirmed.is_set() and now - started > self._answer_timeout:
+                raise ListenerLost("no subscribe acknowledgement")
+            if ping_sent_at is not None:
+                if now - ping_sent_at > self._answer_timeout:
+                    raise ListenerLost("heartbeat unanswered (half-open connection?)")
+            elif now - last_heard >= self._heartbeat_interval:
+                pubsub.ping(_HEARTBEAT)
+                ping_sent_at = now
+
+    def _on_subscribed(self) -> None:
+        if self.subscriptions:
+            log.info("idempotency: wake-up listener subscribed again")
+        self.subscriptions += 1
+        self._wake_all()  # whatever was published before the acknowledgement is lost
+        self._confirmed.set()
+        self._first_attempt_done.set()
+
+    def _dispatch(self, data: Any) -> None:
+        """Wake the waiters of the digest named in the message; the payload is only a hint."""
+        try:
+            digest = json.loads(data)["k"]
+        except (ValueError, TypeError, KeyError):
+            return
+        if not isinstance(digest, str):
+            return
+        self.messages += 1
+        for hub in self._hub_list():
+            hub.wake(digest)
+
+    def _wake_all(self) -> None:
+        for hub in self._hub_list():
+            hub.wake_all()
+
+    def _hub_list(self) -> list[WakeupHub]:
+        with self._lock:
+            return list(self._hubs)
+
+
+# -- one listener per process ------------------------------------------------------
+
+_listeners: dict[Hashable, WakeupListener] = {}
+_registry_lock = threading.Lock()
+
+
+def listener_for(key: Hashable, create: Callable[[], WakeupListener]) -> WakeupListener:
+    """This process's listener for ``key`` (a Redis and channel), created on first need."""
+    with _registry_lock:
+        listener = _listeners.get(key)
+        if listener is None or not listener.usable:
+            listener = _listeners[key] = create()
+        return listener
+
+
+def stop_all(timeout: float = 5.0) -> None:
+    """Stop every listener of this process (tests; graceful shutdown)."""
+    with _registry_lock:
+        listeners = list(_listeners.values())
+        _listeners.clear()
+    for listener in listeners:
+        listener.stop(timeout)
+
+
+def running_listeners() -> list[WakeupListener]:
+    """The listeners this process has started and not stopped."""
+    with _registry_lock:
+        return [listener for listener in _listeners.values() if listener.usable]
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: drop the parent's listeners; each starts afresh on first need."""
+    global _registry_lock
+    _registry_lock = threading.Lock()  # the parent may have held it while forking
+    for listener in _listeners.values():
+        listener.abandon()
+    _listeners.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _close_quietly(pubsub: Any) -> None:
+    try:
+        pubsub.close()
+    except Exception:  # noqa: BLE001 - the connection is already gone
+        pass
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,529 @@
+"""The Redis tier on fakeredis (fast): read path, promotion, degradation, wake-up races.
+
+Each test names the rule it checks (C7, C9, C10, C22–C24, C30; races X1, X2 of
+research/spec.md §6.5). The same behaviour against a real redis-server and
+PostgreSQL is proven in ``test_redis_real.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+from flask import jsonify, request
+
+from flask_idempotency import idempotent, lifecycle, listener, signals
+from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
+from flask_idempotency.records import Completed
+from flask_idempotency.redis_tier import Outage, RedisTier
+from flask_idempotency.wakeup import PollSchedule, WakeupHub
+
+RAW_KEY = "raw-key-7Qx!secret"
+EVENTUALLY = 30.0
+
+
+@pytest.fixture(autouse=True)
+def _stop_listeners() -> Iterator[None]:
+    """No listener thread outlives its test."""
+    yield
+    listener.stop_all()
+    assert not [t for t in threading.enumerate() if t.name == "flask-idempotency-wakeups"]
+
+
+@pytest.fixture
+def server() -> fakeredis.FakeServer:
+    return fakeredis.FakeServer()
+
+
+def build(make_app: Callable[..., Any], client: Any, **config: Any) -> SimpleNamespace:
+    """An app with one protected view whose executions are counted and can be held."""
+    settings = {"IDEMPOTENCY_WAIT": 10}
+    settings.update({f"IDEMPOTENCY_{name.upper()}": value for name, value in config.items()})
+    app, ext = make_app(settings, redis=client)
+    calls: list[int] = []
+    gate = threading.Event()
+    gate.set()
+    entered = threading.Event()
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        calls.append(1)
+        entered.set()
+        assert gate.wait(EVENTUALLY)
+        body = request.get_json(silent=True) or {}
+        if body.get("fail"):
+            return jsonify(error="failed"), 500
+        return jsonify(n=len(calls), amount=body.get("amount")), 201
+
+    return SimpleNamespace(
+        app=app, ext=ext, calls=calls, gate=gate, entered=entered,
+        state=app.extensions["idempotency"], tier=app.extensions["idempotency"].cache,
+    )
+
+
+def post(env: SimpleNamespace, amount: int = 10, key: str = RAW_KEY, **extra: Any) -> Any:
+    return env.app.test_client().post(
+        "/pay", json={"amount": amount, **extra}, headers={"Idempotency-Key": key}
+    )
+
+
+def digest_of(key: str = RAW_KEY) -> str:
+    return key_digest(ANONYMOUS_SCOPE, key)
+
+
+@contextmanager
+def replay_sources(env: SimpleNamespace) -> Iterator[list[str]]:
+    sources: list[str] = []
+
+    def record(sender: Any, **extra: Any) -> None:
+        sources.append(extra["source"])
+
+    with signals.request_replayed.connected_to(record, sender=env.app):
+        yield sources
+
+
+def delete_durable_row(env: SimpleNamespace) -> None:
+    table = env.state.store.table
+    with env.state.store.engine.begin() as conn:
+        conn.execute(table.delete())
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = EVENTUALLY) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def published(subscriber: Any, timeout: float) -> list[bytes]:
+    """The payloads a test subscriber received within ``timeout`` (skipping acknowledgements)."""
+    payloads: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while (remaining := deadline - time.monotonic()) > 0:
+        message = subscriber.get_message(timeout=min(remaining, 0.1))
+        if message is not None and message["type"] == "message":
+            payloads.append(message["data"])
+    return payloads
+
+
+def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(target()))
+    thread.start()
+    return thread, result
+
+
+# -- read path ------------------------------------------------------------------------
+
+
+def test_c22_cache_hit_replays_without_view_or_database(make_app, server):
+    env = build(make_app, fakeredis.FakeRedis(server=server))
+    first = post(env)
+    assert first.status_code == 201 and "Idempotent-Replayed" not in first.headers
+    delete_durable_row(env)  # only Redis can answer now
+    with replay_sources(env) as sources:
+        again = post(env)
+    assert again.status_code == 201
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.data == first.data
+    assert sources == ["cache"]
+    assert env.calls == [1]
+
+
+def test_c7_cache_hit_with_another_body_is_422(make_app, server):
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client)
+    post(env, amount=10)
+    cached = client.get(env.tier.record_name(digest_of()))
+    delete_durable_row(env)
+    reused = post(env, amount=99)
+    assert reused.status_code == 422
+    assert reused.json["code"] == "key-reused"
+    assert env.calls == [1]
+    assert client.get(env.tier.record_name(digest_of())) == cached
+
+
+def test_c22_miss_reads_database_and_promotes_with_the_record_expiry(make_app, server):
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client)
+    first = post(env)
+    client.flushall()
+    with replay_sources(env) as sources:
+        again = post(env)
+    assert again.status_code == 201 and again.data == first.data
+    assert sources == ["database"]
+    row = env.state.store.get(digest_of())
+    assert client.pexpiretime(env.tier.record_name(digest_of())) == row.expires_at_ms
+    with replay_sources(env) as sources:
+        post(env)
+    assert sources == ["cache"]
+    assert env.calls == [1]
+
+
+def test_c23_completion_promotes_with_pxat_and_publishes_done(make_app, server):
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client, ttl=600)
+    subscriber = client.pubsub()
+    subscriber.subscribe(env.tier.channel)
+    try:
+        post(env)
+        row = env.state.store.get(digest_of())
+        name = env.tier.record_name(digest_of())
+        assert client.pexpiretime(name) == row.expires_at_ms
+        assert 0 < client.pttl(name) <= 600_000
+        messages = published(subscriber, 1.0)
+    finally:
+        subscriber.close()
+    assert [json.loads(m) for m in messages] == [{"k": digest_of(), "e": "done"}]
+    cached = json.loads(client.get(name))
+    assert cached["exp"] == row.expires_at_ms and cached["fp"] == row.fingerprint
+
+
+def test_c22_in_progress_and_absence_are_never_cached(make_app, server):
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client)
+    assert post(env, key="missing-then-failed", fail=True).status_code == 500  # released
+    assert client.keys("*") == []
+    env.entered.clear()
+    env.gate.clear()
+    owner, result = in_thread(lambda: post(env))
+    assert env.entered.wait(EVENTUALLY)
+    assert env.state.store.get(digest_of()).state == "in_progress"
+    assert client.keys("*") == []  # the claim lives only in the database
+    env.gate.set()
+    owner.join(EVENTUALLY)
+    assert result[0].status_code == 201
+    assert client.keys("*") == [env.tier.record_name(digest_of()).encode()]
+
+
+def test_c30_no_raw_key_in_redis_names_values_or_messages(make_app, server):
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client)
+    subscriber = client.pubsub()
+    subscriber.subscribe(env.tier.channel)
+    try:
+        post(env)
+        post(env)
+        post(env, key=RAW_KEY + "-2", fail=True)  # a release publishes too
+        messages = published(subscriber, 1.0)
+    finally:
+        subscriber.close()
+    assert len(messages) == 2
+    assert {json.loads(m)["e"] for m in messages} == {"done", "released"}
+    names = client.keys("*")
+    assert names
+    blobs = names + [client.get(name) for name in names] + messages
+    for blob in blobs:
+        assert RAW_KEY.encode() not in blob
+        assert ANONYMOUS_SCOPE.encode() not in blob
+
+
+def test_corrupt_or_foreign_cache_values_are_ignored(make_app, server):
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client)
+    first = post(env)
+    name = env.tier.record_name(digest_of())
+    for junk in (b"\x80not json", b'{"v": 99}', b'{"v":1,"fp":"x"}', b"[]"):
+        client.set(name, junk)
+        with replay_sources(env) as sources:
+            again = post(env)
+        assert again.status_code == 201 and again.data == first.data
+        assert sources == ["database"]
+        assert json.loads(client.get(name))["v"] == 1  # read-through repaired it
+    assert env.calls == [1]
+
+
+# -- degradation (C24) --------------------------------------------------------------
+
+
+def test_c24_redis_down_changes_no_outcome_and_logs_once(make_app, server, caplog):
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client)
+    errors: list[dict[str, Any]] = []
+    server.connected = False
+    caplog.set_level(logging.INFO, logger="flask_idempotency")
+    with signals.store_error.connected_to(lambda s, **extra: errors.append(extra), sender=env.app):
+        statuses = [post(env).status_code for _ in range(5)]
+        statuses.append(post(env, amount=99).status_code)
+        # the back-off has passed, Redis is still down: probed again, not logged again
+        env.tier.outage.clock = lambda: time.monotonic() + 3600
+        statuses.append(post(env).status_code)
+    assert statuses == [201, 201, 201, 201, 201, 422, 201]
+    assert env.calls == [1]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Redis unavailable" in warnings[0].getMessage()
+    assert len(errors) == 1 and errors[0]["tier"] == "cache"
+    assert RAW_KEY not in caplog.text
+
+    server.connected = True
+    env.tier.outage.clock = lambda: time.monotonic() + 7200
+    with replay_sources(env) as sources:
+        post(env)
+        post(env)
+    assert sources == ["database", "cache"]  # probed, recovered, promoted
+    recovered = [r for r in caplog.records if "reachable again" in r.getMessage()]
+    assert len(recovered) == 1
+
+
+def test_c24_outage_backoff_grows_and_lets_one_probe_through():
+    now = [100.0]
+    outage = Outage(first=1.0, cap=10.0, clock=lambda: now[0])
+    assert outage.allows()
+    assert outage.failed() is True
+    assert not outage.allows()
+    delays = []
+    for _ in range(6):
+        start = now[0]
+        while not outage.allows():
+            now[0] += 0.25
+        delays.append(now[0] - start)
+        assert not outage.allows()  # the probe is out: everyone else skips Redis
+        assert outage.failed() is False  # same outage, not logged again
+    assert delays == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    now[0] += 10
+    assert outage.allows()
+    assert outage.succeeded() is True
+    assert outage.allows() and outage.succeeded() is False
+
+
+def test_c24_tier_methods_never_raise():
+    class Broken:
+        def __getattr__(self, name: str) -> Any:
+            raise redis.TimeoutError("simulated")
+
+    tier = RedisTier(Broken(), prefix="t")
+    hub = WakeupHub()
+    record_sample = Completed.from_json(
+        b'{"v":1,"fp":"f","exp":99999999999999,"st":201,"h":[],"b":"","om":false}'
+    )
+    assert record_sample is not None
+    for _ in range(2):
+        assert tier.get("d") is None
+        tier.promote("d", record_sample, publish=True)
+        tier.discard("d")
+        tier.publish("d", "released")
+        assert tier.ping() is False
+        tier.outage.clock = lambda: time.monotonic() + 3600
+    assert tier.ensure_listening(hub) is False
+
+
+# -- wake-ups -----------------------------------------------------------------------
+
+
+def two_processes(make_app, server, tmp_path, **config: Any) -> tuple[SimpleNamespace, SimpleNamespace]:
+    """Two apps on one database and one Redis, with their own hubs: two "processes".
+
+    Each has its own client object, so each gets its own listener: a wake-up from
+    one reaches the other only through Redis pub/sub.
+    """
+    database = f"sqlite:///{tmp_path}/shared.sqlite3"
+    owner = build(make_app, fakeredis.FakeRedis(server=server), database_uri=database, **config)
+    waiter = build(make_app, fakeredis.FakeRedis(server=server), database_uri=database, **config)
+    return owner, waiter
+
+
+@pytest.fixture
+def no_poll_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiters re-check only when woken: a lost wake-up becomes a 409, not a delay."""
+    monkeypatch.setattr(lifecycle, "PollSchedule", lambda cap: PollSchedule(first=600, cap=600))
+
+
+def park_hook(hub: WakeupHub, before_sleep: Callable[[], None]) -> None:
+    """Run ``before_sleep`` once, after the waiter's last re-check and before it sleeps."""
+    original = hub.parked
+    fired = threading.Event()
+
+    @contextmanager
+    def parked(digest: str) -> Iterator[Any]:
+        with original(digest) as slot:
+
+            class Hooked:
+                def wait(self, timeout: float) -> bool:
+                    if not fired.is_set():
+                        fired.set()
+                        before_sleep()
+                    return slot.wait(timeout)
+
+            yield Hooked()
+
+    hub.parked = parked  # type: ignore[method-assign]
+
+
+def test_x1_c10_completion_between_recheck_and_sleep_wakes_by_message(
+    make_app, server, tmp_path, no_poll_ticks
+):
+    owner, waiter = two_processes(make_app, server, tmp_path, wait=20)
+    owner.gate.clear()
+    first, first_result = in_thread(lambda: post(owner))
+    assert owner.entered.wait(EVENTUALLY)
+
+    def complete_the_original() -> None:
+        owner.gate.set()
+        first.join(EVENTUALLY)
+
+    park_hook(waiter.state.wakeups, complete_the_original)
+    duplicate = post(waiter)
+    assert first_result[0].status_code == 201
+    assert duplicate.status_code == 201, duplicate.data
+    assert duplicate.headers["Idempotent-Replayed"] == "true"
+    assert duplicate.data == first_result[0].data
+    assert waiter.tier.listener.messages >= 1
+    assert owner.calls == [1] and waiter.calls == []
+
+
+def test_x1_completion_between_registration_and_first_recheck(
+    make_app, server, tmp_path, no_poll_ticks
+):
+    owner, waiter = two_processes(make_app, server, tmp_path, wait=20)
+    owner.gate.clear()
+    first, first_result = in_thread(lambda: post(owner))
+    assert owner.entered.wait(EVENTUALLY)
+    real_ensure = waiter.tier.ensure_listening
+
+    def ensure_then_complete(hub: WakeupHub) -> bool:
+        live = real_ensure(hub)
+        if not owner.gate.is_set():
+            owner.gate.set()
+            first.join(EVENTUALLY)
+        return live
+
+    waiter.tier.ensure_listening = ensure_then_complete  # type: ignore[method-assign]
+    with replay_sources(waiter) as sources:
+        duplicate = post(waiter)
+    assert duplicate.status_code == 201 and duplicate.headers["Idempotent-Replayed"] == "true"
+    assert sources == ["cache"]
+    assert owner.calls == [1] and waiter.calls == []
+
+
+class NoPubSub:
+    """A client whose subscriber never gets going: the subscription is never confirmed."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def pubsub(self, **kwargs: Any) -> Any:
+        raise redis.ConnectionError("subscriber connection refused")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_x2_c10_unconfirmed_subscription_still_finishes_by_polling(make_app, server, tmp_path):
+    database = f"sqlite:///{tmp_path}/shared.sqlite3"
+    owner = build(make_app, fakeredis.FakeRedis(server=server), database_uri=database, wait=20)
+    waiter = build(
+        make_app, NoPubSub(fakeredis.FakeRedis(server=server)), database_uri=database, wait=20
+    )
+    owner.gate.clear()
+    first, first_result = in_thread(lambda: post(owner))
+    assert owner.entered.wait(EVENTUALLY)
+    second, second_result = in_thread(lambda: post(waiter))
+    wait_for(lambda: waiter.state.wakeups.parked_count == 1, "the duplicate to park")
+    owner.gate.set()
+    first.join(EVENTUALLY)
+    second.join(EVENTUALLY)
+    duplicate = second_result[0]
+    assert duplicate.status_code == 201 and duplicate.headers["Idempotent-Replayed"] == "true"
+    assert not waiter.tier.listener.live and waiter.tier.listener.messages == 0
+    assert owner.calls == [1] and waiter.calls == []
+
+
+class HeldAck:
+    """Wraps a fakeredis client so the subscribe acknowledgement is held back."""
+
+    def __init__(self, client: Any, release: threading.Event) -> None:
+        self._client = client
+        self._release = release
+
+    def pubsub(self, **kwargs: Any) -> Any:
+        inner = self._client.pubsub(**kwargs)
+        release = self._release
+
+        class Held:
+            def subscribe(self, *channels: str) -> None:
+                inner.subscribe(*channels)
+
+            def get_message(self, timeout: float = 0.0) -> Any:
+                if not release.wait(timeout):
+                    return None
+                return inner.get_message(timeout=timeout)
+
+            def ping(self, message: str) -> None:
+                inner.ping(message)
+
+            def close(self) -> None:
+                inner.close()
+
+        return Held()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_x2_ensure_listening_is_true_only_after_the_acknowledgement(server):
+    release = threading.Event()
+    tier = RedisTier(HeldAck(fakeredis.FakeRedis(server=server), release), first_wait=0.05)
+    hub = WakeupHub()
+    assert tier.ensure_listening(hub) is False
+    assert hub.cross_process_live is False
+    release.set()
+    assert tier.listener.wait_until_live(EVENTUALLY)
+    assert tier.ensure_listening(hub) is True
+    assert tier.listener.subscriptions == 1
+
+
+def test_c10_listener_dispatches_by_digest_and_ignores_junk(server):
+    client = fakeredis.FakeRedis(server=server)
+    tier = RedisTier(client)
+    hub = WakeupHub()
+    assert tier.ensure_listening(hub) or tier.listener.wait_until_live(EVENTUALLY)
+    with hub.parked("a" * 64) as mine, hub.parked("b" * 64) as other:
+        client.publish(tier.channel, b"\xffjunk")
+        client.publish(tier.channel, b'{"k": 5}')
+        tier.publish("a" * 64, "done")
+        assert mine.wait(EVENTUALLY) is True
+        assert other.wait(0) is False
+    assert tier.listener.messages == 1
+
+
+def test_x15_listener_reconnects_and_wakes_everyone(server):
+    client = fakeredis.FakeRedis(server=server)
+    tier = RedisTier(client)
+    hub = WakeupHub()
+    assert tier.ensure_listening(hub) or tier.listener.wait_until_live(EVENTUALLY)
+    with hub.parked("c" * 64) as parked:
+        server.connected = False  # the subscriber's reads fail: waiters must re-check
+        assert parked.wait(EVENTUALLY) is True
+        wait_for(lambda: not tier.listener.live, "the listener to notice")
+        assert tier.ensure_listening(hub) is False
+        server.connected = True
+        assert tier.listener.wait_until_live(EVENTUALLY)
+        assert tier.listener.subscriptions == 2
+        tier.publish("c" * 64, "done")
+        wait_for(lambda: tier.listener.messages == 1, "the message after reconnecting")
+
+
+def test_x16_forked_child_starts_its_own_listener(server):
+    tier = RedisTier(fakeredis.FakeRedis(server=server))
+    hub = WakeupHub()
+    assert tier.ensure_listening(hub) or tier.listener.wait_until_live(EVENTUALLY)
+    parent_listener = tier.listener
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        ok = listener.running_listeners() == [] and tier.listener is not parent_listener
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert tier.listener is parent_listener and parent_listener.live
