@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     app = create_app()
     how = prepare_database(app)
+    _keep_our_loggers()
     redis_url = app.config.get("IDEMPOTENCY_REDIS_URL")
     print(f"Database: {_without_password(app.config['SQLALCHEMY_DATABASE_URI'])} (schema: {how})")
     print(f"Redis:    {_without_password(redis_url) if redis_url else 'none (durable tier only)'}")
@@ -108,6 +109,14 @@ def main(argv: list[str] | None = None) -> None:
     print(try_it(f"http://{args.host}:{args.port}"), flush=True)
     log_decisions(app)
     run_simple(args.host, args.port, app, threaded=True, use_reloader=False)
+
+
+def _keep_our_loggers() -> None:
+    """Alembic's ``fileConfig`` (run by the migrations) disables every logger it does not name."""
+    for name in ("example", "flask_idempotency"):
+        logger = logging.getLogger(name)
+        logger.disabled = False
+        logger.setLevel(logging.INFO)
 
 
 def _without_password(url: str) -> str:
