@@ -21,6 +21,8 @@ import example.app as payments_app
 from example.app import MIGRATIONS_DIR, create_app
 from example.models import Payment, db
 from example.serve import prepare_database
+from flask_idempotency import signals
+from flask_idempotency.records import IN_PROGRESS
 
 ENV_VARS = (
     "DATABASE_URL",
@@ -230,7 +232,7 @@ def test_concurrent_duplicate_waits_for_the_charge_and_gets_the_replay(
 
     def observed_acquire(*args: Any, **kwargs: Any) -> Any:
         outcome = real_acquire(*args, **kwargs)
-        if in_gateway.is_set() and getattr(outcome, "state", None) == "in_progress":
+        if in_gateway.is_set() and getattr(outcome, "state", None) == IN_PROGRESS:
             duplicate_saw_in_flight.set()
         return outcome
 
@@ -242,26 +244,37 @@ def test_concurrent_duplicate_waits_for_the_charge_and_gets_the_replay(
     monkeypatch.setattr(payments_app, "charge_gateway", slow_gateway)
 
     responses: dict[str, Any] = {}
+    waits: list[str] = []
+
+    def on_waited(sender: Any, **extra: Any) -> None:
+        waits.append(extra["outcome"])
+
+    signals.request_waited.connect(on_waited, app)
 
     def send(name: str) -> None:
         responses[name] = app.test_client().post("/payments", json=CHARGE, headers=_headers())
 
-    original = threading.Thread(target=send, args=("original",))
-    original.start()
-    assert in_gateway.wait(60)
-    duplicate = threading.Thread(target=send, args=("duplicate",))
-    duplicate.start()
-    original.join(60)
-    duplicate.join(60)
+    try:
+        original = threading.Thread(target=send, args=("original",))
+        original.start()
+        assert in_gateway.wait(60)
+        duplicate = threading.Thread(target=send, args=("duplicate",))
+        duplicate.start()
+        original.join(60)
+        duplicate.join(60)
 
-    assert responses["original"].status_code == 201
-    assert "Idempotent-Replayed" not in responses["original"].headers
-    assert responses["duplicate"].status_code == 201
-    assert responses["duplicate"].headers["Idempotent-Replayed"] == "true"
-    assert responses["duplicate"].get_data() == responses["original"].get_data()
-    assert _payment_count(app) == 1
-    with app.app_context():
-        db.engine.dispose()
+        assert responses["original"].status_code == 201
+        assert "Idempotent-Replayed" not in responses["original"].headers
+        assert responses["duplicate"].status_code == 201
+        assert responses["duplicate"].headers["Idempotent-Replayed"] == "true"
+        assert responses["duplicate"].get_data() == responses["original"].get_data()
+        assert _payment_count(app) == 1
+        assert waits == ["completed"]  # the duplicate parked and woke to the stored answer
+    finally:
+        signals.request_waited.disconnect(on_waited, app)
+        duplicate_saw_in_flight.set()  # never leave the original blocked
+        with app.app_context():
+            db.engine.dispose()
 
 
 def test_environment_selects_database_redis_and_latency(
