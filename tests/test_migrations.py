@@ -1,0 +1,152 @@
+"""The records table ships as a Flask-Migrate migration and stays in step with the code (C29).
+
+The example app (``example.app:create_app``, ``Idempotency(db=db)``) is run as
+the real ``flask`` executable against a brand-new, empty PostgreSQL database.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.engine import make_url
+
+from .conftest import PG_BASE_URL, service_missing
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FLASK = Path(sys.executable).with_name("flask")
+EXAMPLE = "example.app:create_app"
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def empty_pg_database() -> Iterator[str]:
+    """A PostgreSQL database with nothing in it, dropped afterwards."""
+    base = make_url(PG_BASE_URL)
+    try:
+        admin = create_engine(base, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+        with admin.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:  # noqa: BLE001 - any failure means "no server"
+        service_missing("PostgreSQL", str(exc))
+    name = f"idem_migr_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield base.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def flask(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("IDEMPOTENCY_DATABASE_URI", "REDIS_URL", "IDEMPOTENCY_REDIS_URL", "FLASK_APP")
+    }
+    env["DATABASE_URL"] = database_url
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    return subprocess.run(
+        [str(FLASK), "--app", EXAMPLE, *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def tables(database_url: str) -> set[str]:
+    engine = create_engine(database_url)
+    try:
+        return set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_c29_upgrade_on_an_empty_database_creates_a_table_check_accepts(
+    empty_pg_database: str,
+) -> None:
+    assert tables(empty_pg_database) == set()
+    before = flask(empty_pg_database, "idempotency", "check")
+    assert before.returncode == 1
+    # With db= the table belongs in the app's migrations, and the help says so.
+    assert "flask db upgrade" in before.stderr and "Traceback" not in before.stderr
+
+    upgraded = flask(empty_pg_database, "db", "upgrade")
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert {"payments", "idempotency_keys", "alembic_version"} <= tables(empty_pg_database)
+
+    engine = create_engine(empty_pg_database)
+    try:
+        live = inspect(engine)
+        uniques = {u["name"]: u["column_names"] for u in live.get_unique_constraints("idempotency_keys")}
+        indexes = {i["name"]: i["column_names"] for i in live.get_indexes("idempotency_keys")}
+        defaults = {c["name"]: c["default"] for c in live.get_columns("idempotency_keys")}
+    finally:
+        engine.dispose()
+    assert uniques == {"uq_idempotency_keys_key_digest": ["key_digest"]}
+    assert indexes == {"ix_idempotency_keys_expires_at_ms": ["expires_at_ms"]}
+    assert defaults["body_omitted"] == "false"
+
+    checked = flask(empty_pg_database, "idempotency", "check")
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.startswith("OK: ")
+    assert checked.stderr == ""  # not even a warning
+
+
+@pytest.mark.postgres
+def test_c29_autogenerate_proposes_nothing_once_upgraded(empty_pg_database: str) -> None:
+    assert flask(empty_pg_database, "db", "upgrade").returncode == 0
+    # `flask db check` is `flask db migrate` without writing a file: it fails on any diff.
+    checked = flask(empty_pg_database, "db", "check")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "No new upgrade operations detected" in checked.stdout + checked.stderr
+
+
+@pytest.mark.postgres
+def test_c29_autogenerate_sees_the_table_on_the_apps_metadata(empty_pg_database: str) -> None:
+    """Before any migration, the app's own autogenerate proposes the records table."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from example.app import create_app
+    from example.models import db
+
+    app = create_app({"SQLALCHEMY_DATABASE_URI": empty_pg_database})
+    with app.app_context():
+        assert "idempotency_keys" in db.metadata.tables
+        with db.engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), db.metadata)
+        db.engine.dispose()
+    added = {d[1].name for d in diff if isinstance(d, tuple) and d[0] == "add_table"}
+    assert added == {"payments", "idempotency_keys"}
+
+
+@pytest.mark.postgres
+def test_c29_downgrade_removes_the_table_and_check_notices(empty_pg_database: str) -> None:
+    assert flask(empty_pg_database, "db", "upgrade").returncode == 0
+    downgraded = flask(empty_pg_database, "db", "downgrade", "base")
+    assert downgraded.returncode == 0, downgraded.stderr
+    assert "idempotency_keys" not in tables(empty_pg_database)
+    checked = flask(empty_pg_database, "idempotency", "check")
+    assert checked.returncode == 1
+    assert "does not exist" in checked.stderr
+
+
+def test_c29_the_migration_also_runs_on_sqlite(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/example.sqlite3"
+    assert flask(url, "db", "upgrade").returncode == 0
+    checked = flask(url, "idempotency", "check")
+    assert checked.returncode == 0, checked.stderr
+    assert flask(url, "db", "check").returncode == 0
