@@ -7,6 +7,7 @@ code path ``make run`` uses: the embedded SQLite default in the instance folder.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from example.models import Payment, db
 from example.serve import prepare_database
 from flask_idempotency import signals
 from flask_idempotency.records import IN_PROGRESS
+from tests.conftest import REDIS_URL, service_missing
 
 ENV_VARS = (
     "DATABASE_URL",
@@ -330,6 +332,62 @@ def test_example_on_postgresql(clean_env: None, tmp_path: Path, pg_url: URL) -> 
         assert other.status_code == 422
         assert _payment_count(app) == 1
     finally:
+        with app.app_context():
+            db.drop_all()
+            db.engine.dispose()
+
+
+@pytest.fixture
+def real_redis_url() -> Iterator[str]:
+    """The Redis server of ``IDEMPOTENCY_TEST_REDIS_URL``; skipped locally, failed in CI."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        client.close()
+        service_missing("Redis", f"{REDIS_URL}: {exc}")
+    yield REDIS_URL
+    client.close()
+
+
+@pytest.mark.redis
+def test_example_on_postgresql_with_redis(
+    clean_env: None, tmp_path: Path, pg_url: URL, real_redis_url: str
+) -> None:
+    """C9, C23: with REDIS_URL set the retry is replayed from the Redis copy; one charge."""
+    import redis
+
+    prefix = f"example-test-{uuid.uuid4().hex[:8]}"
+    config = {
+        "SQLALCHEMY_DATABASE_URI": pg_url.render_as_string(hide_password=False),
+        "IDEMPOTENCY_REDIS_URL": real_redis_url,
+        "IDEMPOTENCY_REDIS_PREFIX": prefix,
+    }
+    app = next(_build(config, tmp_path / "instance"))
+    sources: list[str] = []
+
+    def on_replayed(sender: Any, **extra: Any) -> None:
+        sources.append(extra["source"])
+
+    signals.request_replayed.connect(on_replayed, app)
+    client = redis.Redis.from_url(real_redis_url)
+    try:
+        test_client = app.test_client()
+        first = test_client.post("/payments", json=CHARGE, headers=_headers())
+        retry = test_client.post("/payments", json=CHARGE, headers=_headers())
+        assert first.status_code == 201
+        assert retry.headers["Idempotent-Replayed"] == "true"
+        assert retry.get_data() == first.get_data()
+        assert sources == ["cache"]
+        assert _payment_count(app) == 1
+        assert list(client.scan_iter(match=f"{prefix}:*")), "no completed record reached Redis"
+    finally:
+        signals.request_replayed.disconnect(on_replayed, app)
+        for name in client.scan_iter(match=f"{prefix}:*"):
+            client.delete(name)
+        client.close()
         with app.app_context():
             db.drop_all()
             db.engine.dispose()
