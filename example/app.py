@@ -13,6 +13,7 @@ scope in production — derive it from the authenticated user.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -137,9 +138,8 @@ def create_app(config: dict[str, Any] | None = None, *, instance_path: str | Non
 @idempotent(required=True)
 def create_payment() -> tuple[Response, int, dict[str, str]] | Response:
     """Charge once per key: validate, call the (simulated) gateway, record the payment."""
-    payload = request.get_json(silent=True)
-    errors = _validation_errors(payload)
-    if errors:
+    charge = parse_charge(request.get_json(silent=True))
+    if isinstance(charge, list):
         # Nothing happened yet: give the key back so the client can fix the body and
         # retry with the same key (C19). Without this the 400 would be stored and replayed.
         release_claim()
@@ -148,13 +148,13 @@ def create_payment() -> tuple[Response, int, dict[str, str]] | Response:
             "invalid-payment",
             "The payment request is invalid",
             "Fix the listed fields and send the request again.",
-            errors=errors,
+            errors=charge,
         )
-    charge_gateway(payload["amount_cents"], payload["currency"].upper())
+    charge_gateway(charge.amount_cents, charge.currency)
     payment = Payment(
-        amount_cents=payload["amount_cents"],
-        currency=payload["currency"].upper(),
-        description=payload.get("description"),
+        amount_cents=charge.amount_cents,
+        currency=charge.currency,
+        description=charge.description,
         status="succeeded",
     )
     db.session.add(payment)
@@ -188,6 +188,27 @@ def charge_gateway(amount_cents: int, currency: str) -> None:
     while the original is still in flight and watch it wait for the first answer.
     """
     time.sleep(current_app.config["GATEWAY_LATENCY"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ChargeRequest:
+    """A validated ``POST /payments`` body."""
+
+    amount_cents: int
+    currency: str
+    description: str | None
+
+
+def parse_charge(payload: Any) -> ChargeRequest | list[dict[str, str]]:
+    """The charge the body asks for, or the list of what is wrong with it."""
+    errors = _validation_errors(payload)
+    if errors:
+        return errors
+    return ChargeRequest(
+        amount_cents=payload["amount_cents"],
+        currency=payload["currency"].upper(),
+        description=payload.get("description"),
+    )
 
 
 def _validation_errors(payload: Any) -> list[dict[str, str]]:
