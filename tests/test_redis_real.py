@@ -1,0 +1,361 @@
+"""The Redis tier against a real, private redis-server and the real PostgreSQL.
+
+Each test gets its own redis-server (tests/support/redis_server.py) so it can
+flush, kill and restart it. Rules: C10, C22–C25, C30; races X7, X15, X16.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+import requests
+from flask import Flask, jsonify, request
+from sqlalchemy.engine import URL
+
+from flask_idempotency import Idempotency, idempotent, lifecycle, listener, signals
+from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
+from flask_idempotency.wakeup import PollSchedule
+from tests.conftest import redis_server_binary
+from tests.support.gunicorn import GunicornServer, free_port
+from tests.support.redis_server import RedisServer
+from tests.test_processes import ProcHarness
+
+pytestmark = [pytest.mark.redis, pytest.mark.postgres]
+
+RAW_KEY = "real-raw-key-Zq9!private"
+EVENTUALLY = 30.0
+
+
+@pytest.fixture(autouse=True)
+def _stop_listeners() -> Iterator[None]:
+    yield
+    listener.stop_all()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Any) -> Iterator[RedisServer]:
+    server = RedisServer(redis_server_binary(), tmp_path / "redis")
+    try:
+        server.start()
+    except (OSError, RuntimeError) as exc:
+        server.stop()
+        pytest.fail(f"could not start a private redis-server: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def inspector(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A plain client for the test's own look at Redis."""
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=10)
+    yield client
+    client.close()
+
+
+def build(make_pg_app: Callable[..., Any], redis_url: str, **config: Any) -> SimpleNamespace:
+    settings: dict[str, Any] = {"IDEMPOTENCY_REDIS_URL": redis_url, "IDEMPOTENCY_WAIT": 20}
+    settings.update({f"IDEMPOTENCY_{k.upper()}": v for k, v in config.items()})
+    app, ext = make_pg_app(settings)
+    return attach_view(app)
+
+
+def attach_view(app: Flask) -> SimpleNamespace:
+    calls: list[int] = []
+    lock = threading.Lock()
+    gate = threading.Event()
+    gate.set()
+    entered = threading.Event()
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        with lock:
+            calls.append(1)
+        entered.set()
+        assert gate.wait(EVENTUALLY)
+        body = request.get_json(silent=True) or {}
+        return jsonify(n=len(calls), amount=body.get("amount")), 201
+
+    state = app.extensions["idempotency"]
+    return SimpleNamespace(
+        app=app, calls=calls, gate=gate, entered=entered, state=state, tier=state.cache
+    )
+
+
+def post(env: SimpleNamespace, key: str = RAW_KEY, amount: int = 10) -> Any:
+    return env.app.test_client().post(
+        "/pay", json={"amount": amount}, headers={"Idempotency-Key": key}
+    )
+
+
+def digest_of(key: str = RAW_KEY) -> str:
+    return key_digest(ANONYMOUS_SCOPE, key)
+
+
+@contextmanager
+def replay_sources(app: Flask) -> Iterator[list[str]]:
+    sources: list[str] = []
+
+    def record(sender: Any, **extra: Any) -> None:
+        sources.append(extra["source"])
+
+    with signals.request_replayed.connected_to(record, sender=app):
+        yield sources
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = EVENTUALLY) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def no_poll_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parked requests re-check only when woken: a lost wake-up is a 409, not a delay."""
+    monkeypatch.setattr(lifecycle, "PollSchedule", lambda cap: PollSchedule(first=600, cap=600))
+
+
+# -- C22 / C23 / X7 -------------------------------------------------------------------
+
+
+def test_c22_c23_x7_after_flushall_replay_comes_from_postgres_and_is_promoted_again(
+    make_pg_app, redis_server, inspector
+):
+    env = build(make_pg_app, redis_server.url, redis_socket_timeout=5, ttl=900)
+    first = post(env)
+    assert first.status_code == 201
+    name = env.tier.record_name(digest_of())
+    row = env.state.store.get(digest_of())
+    assert inspector.pexpiretime(name) == row.expires_at_ms  # promoted with the record's expiry
+    with replay_sources(env.app) as sources:
+        assert post(env).data == first.data
+    assert sources == ["cache"]
+
+    redis_server.flushall()
+    with replay_sources(env.app) as sources:
+        again = post(env)
+        third = post(env)
+    assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert again.data == first.data == third.data
+    assert sources == ["database", "cache"]
+    assert inspector.pexpiretime(name) == row.expires_at_ms  # same absolute expiry, not extended
+    assert env.calls == [1]
+
+
+def test_c30_real_redis_holds_no_raw_key(make_pg_app, redis_server, inspector):
+    env = build(make_pg_app, redis_server.url, redis_socket_timeout=5)
+    subscriber = inspector.pubsub()
+    subscriber.subscribe(env.tier.channel)
+    try:
+        ack = subscriber.get_message(timeout=EVENTUALLY)
+        assert ack is not None and ack["type"] == "subscribe"
+        for key in (RAW_KEY, RAW_KEY + "-b"):
+            post(env, key)
+            post(env, key)
+        messages = []
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            message = subscriber.get_message(timeout=0.1)
+            if message is not None and message["type"] == "message":
+                messages.append(message["data"])
+    finally:
+        subscriber.close()
+    names = list(inspector.scan_iter("*"))
+    assert sorted(names) == sorted(
+        env.tier.record_name(digest_of(k)).encode() for k in (RAW_KEY, RAW_KEY + "-b")
+    )
+    assert len(messages) == 2
+    for blob in names + [inspector.get(n) for n in names] + messages:
+        assert b"raw-key" not in blob and ANONYMOUS_SCOPE.encode() not in blob
+
+
+# -- C24 ----------------------------------------------------------------------------
+
+
+def test_c24_redis_killed_50_duplicates_still_run_once_and_never_5xx(
+    make_pg_app, redis_server, caplog
+):
+    env = build(make_pg_app, redis_server.url, wait=60)
+    assert post(env, "warm-up").status_code == 201  # the tier has talked to Redis
+    redis_server.kill()
+    caplog.set_level(logging.INFO, logger="flask_idempotency")
+    env.gate.clear()
+    barrier = threading.Barrier(50)
+
+    def duplicate(_: int) -> Any:
+        barrier.wait()
+        return post(env, RAW_KEY)
+
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        futures = [pool.submit(duplicate, i) for i in range(50)]
+        assert env.entered.wait(EVENTUALLY)
+        wait_for(lambda: env.state.wakeups.parked_count >= 1, "duplicates to park")
+        env.gate.set()
+        answers = [f.result(timeout=120) for f in futures]
+
+    statuses = collections.Counter(a.status_code for a in answers)
+    assert statuses == {201: 50}, statuses
+    replayed = [a for a in answers if a.headers.get("Idempotent-Replayed") == "true"]
+    assert len(replayed) == 49
+    assert len({a.data for a in answers}) == 1
+    assert env.calls == [1, 1]  # the warm-up and this key, once each
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "Redis unavailable" in warnings[0], warnings
+    assert RAW_KEY not in caplog.text
+
+
+def test_c10_x15_after_a_restart_wakeups_come_back_by_message(
+    make_pg_app, redis_server, no_poll_ticks
+):
+    """Two apps on one table are two hubs: the waiter's hub hears of the completion
+    only through Redis. Without poll ticks, a lost message would end in 409."""
+    owner = build(make_pg_app, redis_server.url, redis_socket_timeout=5, wait=20)
+    waiter = build(make_pg_app, redis_server.url, redis_socket_timeout=5, wait=20)
+    subscriber = waiter.tier.listener
+    assert waiter.tier.ensure_listening(waiter.state.wakeups) or subscriber.wait_until_live(
+        EVENTUALLY
+    )
+    redis_server.kill()
+    wait_for(lambda: not subscriber.live, "the listener to notice Redis is gone")
+    assert post(owner, "during-the-outage").status_code == 201  # degraded, still correct
+    redis_server.restart()
+    assert subscriber.wait_until_live(EVENTUALLY)
+    assert subscriber.subscriptions == 2
+    wait_for(owner.tier.ping, "the owner's tier to end its outage back-off")
+
+    messages_before = subscriber.messages
+    owner.gate.clear()
+    first_result: list[Any] = []
+    first = threading.Thread(target=lambda: first_result.append(post(owner)))
+    first.start()
+    try:
+        assert owner.entered.wait(EVENTUALLY)
+        second_result: list[Any] = []
+        second = threading.Thread(target=lambda: second_result.append(post(waiter)))
+        second.start()
+        wait_for(lambda: waiter.state.wakeups.parked_count == 1, "the duplicate to park")
+    finally:
+        owner.gate.set()
+        first.join(EVENTUALLY)
+    second.join(EVENTUALLY)
+    duplicate = second_result[0]
+    assert duplicate.status_code == 201, duplicate.data
+    assert duplicate.headers["Idempotent-Replayed"] == "true"
+    assert duplicate.data == first_result[0].data
+    assert subscriber.messages > messages_before
+    assert owner.calls == [1, 1] and waiter.calls == []
+
+
+# -- C25 ----------------------------------------------------------------------------
+
+
+def test_c25_postgres_down_completed_keys_replay_from_redis_new_keys_get_503(
+    make_pg_app, redis_server, pg_table
+):
+    healthy = build(make_pg_app, redis_server.url, redis_socket_timeout=5)
+    first = post(healthy)
+    assert first.status_code == 201
+
+    cut_off = Flask("database_unreachable")
+    cut_off.config.update(
+        IDEMPOTENCY_DATABASE_URI=f"postgresql+psycopg2://postgres@127.0.0.1:{free_port()}/gone",
+        IDEMPOTENCY_TABLE=pg_table,
+        IDEMPOTENCY_REDIS_URL=redis_server.url,
+        IDEMPOTENCY_REDIS_SOCKET_TIMEOUT=5,
+    )
+    Idempotency(cut_off)
+    env = attach_view(cut_off)
+    with replay_sources(cut_off) as sources:
+        again = post(env)
+    assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert again.data == first.data and sources == ["cache"]
+    assert post(env, amount=999).status_code == 422  # the cached fingerprint still guards it
+
+    new = post(env, "a-new-key")
+    assert new.status_code == 503
+    assert new.mimetype == "application/problem+json"
+    assert new.json["code"] == "store-unavailable"
+    assert int(new.headers["Retry-After"]) >= 1
+    assert env.calls == []
+
+
+# -- cross-process wake-ups under gunicorn ---------------------------------------------
+
+
+@pytest.fixture
+def harness(pg_url: URL, pg_table: str) -> Iterator[ProcHarness]:
+    h = ProcHarness(pg_url, pg_table)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preload", [False, True], ids=["fork-then-load", "preload"])
+def test_c10_x16_duplicates_in_other_workers_wake_by_pubsub(harness, redis_server, preload):
+    """Waiters in other gunicorn workers never poll (tests/apps/wakeapp.py): only a
+    pub/sub message can end their wait with a replay before ``IDEM_WAIT``."""
+    server = GunicornServer(
+        "tests.apps.wakeapp:create_app()",
+        env={
+            "DATABASE_URL": harness.url,
+            "IDEM_TABLE": harness.table,
+            "REDIS_URL": redis_server.url,
+            "IDEM_WAIT": "30",
+        },
+        workers=3,
+        threads=8,
+        preload=preload,
+    )
+    harness.servers.append(server)
+    server.start()
+
+    def send(key: str, sleep: str) -> requests.Response:
+        return requests.post(
+            f"{server.url}/work/item",
+            json={"k": key},
+            headers={"Idempotency-Key": key, "X-Sleep": sleep},
+            timeout=120,
+        )
+
+    cross_worker_replays = 0
+    for round_number in range(6):
+        key = f"wake-{preload}-{round_number}"
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            original = pool.submit(send, key, "1.5")
+            wait_for(lambda: len(harness.executions_of(key)) == 1, "the original to start")
+            duplicates = [pool.submit(send, key, "0") for _ in range(11)]
+            answers = [original.result()] + [d.result() for d in duplicates]
+        assert [a.status_code for a in answers] == [201] * 12, [a.text for a in answers]
+        assert len(harness.executions_of(key)) == 1
+        owner_pid = answers[0].json()["pid"]
+        for answer in answers[1:]:
+            assert answer.headers["Idempotent-Replayed"] == "true"
+            assert answer.json() == answers[0].json()
+            parked = "X-Waited" in answer.headers
+            if parked and int(answer.headers["X-Worker-Pid"]) != owner_pid:
+                cross_worker_replays += 1
+        if cross_worker_replays >= 3:
+            break
+    assert cross_worker_replays >= 3, "too few duplicates parked on another worker"
+    with redis.Redis.from_url(redis_server.url) as inspector:
+        subscribers = [c for c in inspector.client_list() if int(c.get("sub", 0)) > 0]
+        names = list(inspector.scan_iter("*"))
+    assert 1 <= len(subscribers) <= server.workers  # at most one subscriber per worker
+    assert names and not [n for n in names if b"wake-" in n]
