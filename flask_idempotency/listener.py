@@ -259,8 +259,8 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 def _close_quietly(pubsub: Any) -> None:
     try:
         pubsub.close()
-    except Exception:  # noqa: BLE001 - the connection is already gone
-        pass
+    except Exception as exc:  # noqa: BLE001 - the connection is already gone
+        log.debug("idempotency: closing the wake-up subscriber: %s", _describe(exc))
 
 
 def _describe(exc: BaseException) -> str:

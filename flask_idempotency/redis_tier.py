@@ -183,16 +183,16 @@ class RedisTier:
         return record
 
     def promote(self, key_digest: str, record: Completed, *, publish: bool) -> None:
-        if not self.outage.allows():
+        cacheable = record.expires_at_ms > int(time.time() * 1000)
+        if not (cacheable or publish) or not self.outage.allows():
             return
         try:
             pipe = self._client.pipeline(transaction=False)
-            if record.expires_at_ms > int(time.time() * 1000):
+            if cacheable:
                 pipe.set(self.record_name(key_digest), record.to_json(), pxat=record.expires_at_ms)
             if publish:
                 pipe.publish(self.channel, self.wakeup_payload(key_digest, "done"))
-            if len(pipe):
-                pipe.execute()
+            pipe.execute()
         except Exception as exc:  # noqa: BLE001
             self._failed(exc, "promote", key_digest)
             return

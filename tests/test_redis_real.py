@@ -7,7 +7,6 @@ flush, kill and restart it. Rules: C10, C22–C25, C30; races X7, X15, X16.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 import time
@@ -68,7 +67,7 @@ def inspector(redis_server: RedisServer) -> Iterator[redis.Redis]:
 def build(make_pg_app: Callable[..., Any], redis_url: str, **config: Any) -> SimpleNamespace:
     settings: dict[str, Any] = {"IDEMPOTENCY_REDIS_URL": redis_url, "IDEMPOTENCY_WAIT": 20}
     settings.update({f"IDEMPOTENCY_{k.upper()}": v for k, v in config.items()})
-    app, ext = make_pg_app(settings)
+    app, _ = make_pg_app(settings)
     return attach_view(app)
 
 
@@ -339,7 +338,7 @@ def test_c10_x16_duplicates_in_other_workers_wake_by_pubsub(harness, redis_serve
         key = f"wake-{preload}-{round_number}"
         with ThreadPoolExecutor(max_workers=12) as pool:
             original = pool.submit(send, key, "1.5")
-            wait_for(lambda: len(harness.executions_of(key)) == 1, "the original to start")
+            wait_for(lambda k=key: len(harness.executions_of(k)) == 1, "the original to start")
             duplicates = [pool.submit(send, key, "0") for _ in range(11)]
             answers = [original.result()] + [d.result() for d in duplicates]
         assert [a.status_code for a in answers] == [201] * 12, [a.text for a in answers]

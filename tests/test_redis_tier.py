@@ -388,7 +388,7 @@ def test_x1_completion_between_registration_and_first_recheck(
 ):
     owner, waiter = two_processes(make_app, server, tmp_path, wait=20)
     owner.gate.clear()
-    first, first_result = in_thread(lambda: post(owner))
+    first, _ = in_thread(lambda: post(owner))
     assert owner.entered.wait(EVENTUALLY)
     real_ensure = waiter.tier.ensure_listening
 
@@ -427,7 +427,7 @@ def test_x2_c10_unconfirmed_subscription_still_finishes_by_polling(make_app, ser
         make_app, NoPubSub(fakeredis.FakeRedis(server=server)), database_uri=database, wait=20
     )
     owner.gate.clear()
-    first, first_result = in_thread(lambda: post(owner))
+    first, _ = in_thread(lambda: post(owner))
     assert owner.entered.wait(EVENTUALLY)
     second, second_result = in_thread(lambda: post(waiter))
     wait_for(lambda: waiter.state.wakeups.parked_count == 1, "the duplicate to park")
@@ -527,3 +527,67 @@ def test_x16_forked_child_starts_its_own_listener(server):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert tier.listener is parent_listener and parent_listener.live
+
+
+class SwallowedPongs:
+    """Wraps a fakeredis client so heartbeat answers never arrive: a half-open socket."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def pubsub(self, **kwargs: Any) -> Any:
+        inner = self._client.pubsub(**kwargs)
+
+        class Deaf:
+            def subscribe(self, *channels: str) -> None:
+                inner.subscribe(*channels)
+
+            def get_message(self, timeout: float = 0.0) -> Any:
+                message = inner.get_message(timeout=timeout)
+                return None if message and message["type"] == "pong" else message
+
+            def ping(self, message: str) -> None:
+                inner.ping(message)
+
+            def close(self) -> None:
+                inner.close()
+
+        return Deaf()
+
+
+def test_x15_unanswered_heartbeat_makes_the_listener_reconnect(server):
+    subscriber = listener.WakeupListener(
+        lambda: SwallowedPongs(fakeredis.FakeRedis(server=server)),
+        "idem:done",
+        heartbeat_interval=0.1,
+        answer_timeout=0.3,
+    )
+    hub = WakeupHub()
+    try:
+        subscriber.ensure(hub)
+        assert subscriber.wait_until_live(EVENTUALLY)
+        with hub.parked("d" * 64) as parked:
+            assert parked.wait(EVENTUALLY) is True  # the dead connection woke everyone
+        wait_for(lambda: subscriber.subscriptions >= 2, "a fresh subscription")
+    finally:
+        subscriber.stop()
+
+
+def test_listener_starts_on_first_park_not_at_init_or_on_plain_requests(make_app, server):
+    env = build(make_app, fakeredis.FakeRedis(server=server))
+    assert post(env).status_code == 201
+    assert post(env).status_code == 201
+    assert listener.running_listeners() == []
+    env.gate.clear()
+    env.entered.clear()
+    first, result = in_thread(lambda: post(env, key="parked"))
+    assert env.entered.wait(EVENTUALLY)
+    second, second_result = in_thread(lambda: post(env, key="parked"))
+    wait_for(lambda: env.state.wakeups.parked_count == 1, "the duplicate to park")
+    started = listener.running_listeners()
+    assert len(started) == 1 and started[0].wait_until_live(EVENTUALLY)
+    env.gate.set()
+    first.join(EVENTUALLY)
+    second.join(EVENTUALLY)
+    assert result[0].status_code == second_result[0].status_code == 201
+    assert second_result[0].headers["Idempotent-Replayed"] == "true"

@@ -10,7 +10,6 @@ whether the request was parked (``X-Waited``).
 from __future__ import annotations
 
 import os
-
 from typing import Any
 
 from flask import Flask, Response, g
