@@ -252,3 +252,63 @@ def check_session(app: Flask, gates: dict[str, Any], caplog: pytest.LogCaptureFi
         assert RAW_KEY not in text, f"{record.name}:{record.levelname} logged the raw key: {text}"
     for record in ours:
         assert SECRET_BODY not in record.getMessage() + repr(record.args)
+
+
+# -- the recipes of docs/observability.md run as written -------------------------------
+
+
+def doc_recipes() -> dict[str, dict[str, Any]]:
+    """Execute each Python block of docs/observability.md; return their namespaces by function."""
+    import re
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text()
+    recipes: dict[str, dict[str, Any]] = {}
+    for block in re.findall(r"```python\n(.*?)```", source, flags=re.S):
+        namespace: dict[str, Any] = {}
+        exec(compile(block, "docs/observability.md", "exec"), namespace)  # noqa: S102
+        for name in ("install_prometheus_metrics", "install_counters"):
+            if name in namespace:
+                recipes[name] = namespace
+    return recipes
+
+
+def drive_three_decisions(app: Flask) -> None:
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        return jsonify(ok=True), 201
+
+    client = app.test_client()
+    key = {"Idempotency-Key": "doc-recipe"}
+    assert client.post("/pay", json={"n": 1}, headers=key).status_code == 201
+    assert client.post("/pay", json={"n": 1}, headers=key).status_code == 201
+    assert client.post("/pay", json={"n": 2}, headers=key).status_code == 422
+
+
+def test_c30_docs_plain_dict_recipe_counts_decisions(make_app: Any) -> None:
+    app, _ = make_app()
+    counts = doc_recipes()["install_counters"]["install_counters"](app)
+    drive_three_decisions(app)
+    assert counts[("idempotency-request-executed", "pay")] == 1
+    assert counts[("idempotency-response-stored", "pay")] == 1
+    assert counts[("idempotency-request-replayed", "pay")] == 1
+    assert counts[("idempotency-key-mismatch", "pay")] == 1
+    assert sum(counts.values()) == 4
+
+
+def test_c30_docs_prometheus_recipe_counts_decisions(make_app: Any) -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    app, _ = make_app()
+    registry = prometheus_client.CollectorRegistry()
+    doc_recipes()["install_prometheus_metrics"]["install_prometheus_metrics"](app, registry)
+    drive_three_decisions(app)
+
+    def decisions(decision: str) -> float | None:
+        return registry.get_sample_value(
+            "idempotency_decisions_total", {"decision": decision, "route": "pay"}
+        )
+
+    assert [decisions(d) for d in ("executed", "stored", "replayed", "mismatch")] == [1, 1, 1, 1]
+    assert decisions("conflict") is None
+    assert registry.get_sample_value("idempotency_decision_seconds_count", {"decision": "replayed"}) == 1
