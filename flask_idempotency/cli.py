@@ -94,7 +94,7 @@ def _missing_table_help(what: str) -> str:
 def _iso(ms: int | None) -> str:
     if ms is None:
         return "-"
-    moment = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+    moment = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)  # noqa: UP017 - Python 3.10
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
@@ -104,6 +104,11 @@ def _relative(ms: int | None, now_ms: int) -> str:
     delta = (ms - now_ms) / 1000
     span = _span(abs(delta))
     return f" (in {span})" if delta >= 0 else f" ({span} ago)"
+
+
+def _moment(ms: int | None, now_ms: int) -> str:
+    """ISO-8601 UTC, and how far from now: what an operator reading a record wants."""
+    return _iso(ms) + _relative(ms, now_ms)
 
 
 def _span(seconds: float) -> str:
@@ -230,12 +235,9 @@ def stats_command(as_json: bool) -> None:
         f"  in progress             {stats.in_progress}",
         f"    with a lapsed lease   {stats.stale_leases}",
         f"  expired, awaiting prune {stats.prunable}",
-        f"  oldest in progress      created {_iso(stats.oldest_in_progress_created_ms)}"
-        f"{_relative(stats.oldest_in_progress_created_ms, now)}",
-        f"  earliest lease expiry   {_iso(stats.oldest_in_progress_lease_ms)}"
-        f"{_relative(stats.oldest_in_progress_lease_ms, now)}",
-        f"  earliest record expiry  {_iso(stats.oldest_expiry_ms)}"
-        f"{_relative(stats.oldest_expiry_ms, now)}",
+        "  oldest in progress      created " + _moment(stats.oldest_in_progress_created_ms, now),
+        "  earliest lease expiry   " + _moment(stats.oldest_in_progress_lease_ms, now),
+        "  earliest record expiry  " + _moment(stats.oldest_expiry_ms, now),
     ]
     click.echo("\n".join(lines))
 

@@ -264,7 +264,7 @@ def doc_recipes() -> dict[str, dict[str, Any]]:
 
     source = (Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text()
     recipes: dict[str, dict[str, Any]] = {}
-    for block in re.findall(r"```python\n(.*?)```", source, flags=re.S):
+    for block in re.findall(r"```python\n(.*?)```", source, flags=re.DOTALL):
         namespace: dict[str, Any] = {}
         exec(compile(block, "docs/observability.md", "exec"), namespace)  # noqa: S102
         for name in ("install_prometheus_metrics", "install_counters"):
