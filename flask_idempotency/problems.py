@@ -1,7 +1,8 @@
 """The layer's own errors, as RFC 9457 ``application/problem+json`` (CONTRACT C27).
 
-They are Werkzeug ``HTTPException`` subclasses, so an application can still
-catch them with ``@app.errorhandler(409)`` or by class. None of them is ever
+They are Werkzeug ``HTTPException`` subclasses that also derive from the
+matching Werkzeug class (``BadRequest``, ``Conflict``, …), so an application can
+still catch them with ``@app.errorhandler(409)``, by Werkzeug class, or by ours. None of them is ever
 stored under a key (C18).
 """
 
@@ -12,7 +13,13 @@ import math
 from typing import Any, ClassVar
 
 from flask import Response, current_app
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import (
+    BadRequest,
+    Conflict,
+    HTTPException,
+    ServiceUnavailable,
+    UnprocessableEntity,
+)
 
 from .config import DEFAULT_PROBLEM_TYPE_BASE
 
@@ -41,7 +48,7 @@ class IdempotencyProblem(HTTPException):
             "code": self.problem_code,
         }
 
-    def get_response(self, environ: Any = None, scope: Any = None) -> Response:  # noqa: ARG002
+    def get_response(self, environ: Any = None, scope: Any = None) -> Response:
         response = Response(
             json.dumps(self.problem()), status=self.code, mimetype=PROBLEM_MIMETYPE
         )
@@ -50,31 +57,32 @@ class IdempotencyProblem(HTTPException):
         return response
 
 
-class MissingKey(IdempotencyProblem):
+class MissingKey(IdempotencyProblem, BadRequest):
     code = 400
     problem_code = "missing-key"
     title = "Idempotency-Key is missing"
 
 
-class InvalidKeyProblem(IdempotencyProblem):
+class InvalidKeyProblem(IdempotencyProblem, BadRequest):
     code = 400
     problem_code = "invalid-key"
     title = "Idempotency-Key is invalid"
 
 
-class KeyReused(IdempotencyProblem):
+class KeyReused(IdempotencyProblem, UnprocessableEntity):
     code = 422
     problem_code = "key-reused"
     title = "Idempotency-Key is already used"
 
 
-class RequestInProgress(IdempotencyProblem):
+class RequestInProgress(IdempotencyProblem, Conflict):
     code = 409
     problem_code = "request-in-progress"
     title = "A request is outstanding for this Idempotency-Key"
 
 
-class StoreUnavailable(IdempotencyProblem):
+# Werkzeug's _RetryAfter types retry_after differently; ours (seconds) is the one used.
+class StoreUnavailable(IdempotencyProblem, ServiceUnavailable):  # type: ignore[misc]
     code = 503
     problem_code = "store-unavailable"
     title = "Idempotency store unavailable"
