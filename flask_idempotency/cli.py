@@ -164,14 +164,16 @@ def prune_command(batch_size: int, dry_run: bool, max_seconds: float | None, pau
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
     deleted = batches = 0
     out_of_time = False
+    resume_at: int | None = None
     with _progress(estimate, show=estimate > batch_size) as advance:
         while True:
             try:
-                count = maintenance.prune_batch(batch_size)
+                batch = maintenance.prune_batch(batch_size, from_expiry=resume_at)
             except MaintenanceError:
                 if deleted:
                     click.echo(f"Deleted {deleted} expired records before the error.", err=True)
                 raise
+            count, resume_at = batch.deleted, batch.last_expiry
             deleted += count
             batches += 1
             advance(count)

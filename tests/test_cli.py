@@ -262,6 +262,20 @@ def test_c28_prune_skips_rows_another_transaction_holds(pg_app: Flask, pg_uri: s
     assert row_count(pg_app) == 0
 
 
+def test_c28_prune_batches_resume_where_the_last_one_ended(pg_app: Flask) -> None:
+    """Each batch starts its index scan at the previous batch's last expiry, not at the head."""
+    add_expired_rows(pg_app, 30)  # expiries: now - 1000 - g, so g=30 is the oldest
+    maintenance = Maintenance(store_of(pg_app))
+    first = maintenance.prune_batch(10)
+    assert first.deleted == 10 and first.last_expiry is not None
+    # Rows older than the cursor are left for the next run, even if prunable.
+    older = add_record(pg_app, state="completed", expires_in_ms=-10_000_000)
+    second = maintenance.prune_batch(100, from_expiry=first.last_expiry)
+    assert second.deleted == 20 and second.last_expiry > first.last_expiry  # type: ignore[operator]
+    assert digests(pg_app) == {older}
+    assert maintenance.prune_batch(100).deleted == 1
+
+
 def test_c28_concurrent_prunes_delete_each_row_once_threads(pg_app: Flask) -> None:
     total = 20_000
     add_expired_rows(pg_app, total)
@@ -274,8 +288,10 @@ def test_c28_concurrent_prunes_delete_each_row_once_threads(pg_app: Flask) -> No
         deleted = 0
         try:
             start.wait()
-            while (batch := maintenance.prune_batch(250)) > 0:
-                deleted += batch
+            resume_at = None
+            while (batch := maintenance.prune_batch(250, from_expiry=resume_at)).deleted > 0:
+                deleted += batch.deleted
+                resume_at = batch.last_expiry
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
         counts.append(deleted)
