@@ -223,6 +223,51 @@ def test_c28_prune_max_seconds_stops_between_batches(pg_app: Flask) -> None:
     assert row_count(pg_app) == 40
 
 
+def test_c28_prune_reports_progress_in_a_log(pg_app: Flask, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flask_idempotency import cli
+
+    monkeypatch.setattr(cli, "_PROGRESS_EVERY_SECONDS", 0.0)  # a line after every batch
+    add_expired_rows(pg_app, 2500)
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "prune", "--batch-size", "1000"])
+    assert result.exit_code == 0, result.output
+    assert "pruned 1000 of about 2500 expired records" in result.stderr
+    assert "pruned 2000 of about 2500 expired records" in result.stderr
+    assert "Deleted 2500" in result.stdout and "pruned" not in result.stdout
+
+
+def test_c28_prune_failing_midway_says_what_it_did_and_exits_1(pg_app: Flask) -> None:
+    """A real failure in the second batch: a trigger refuses to delete one row."""
+    add_expired_rows(pg_app, 1500)
+    table = store_of(pg_app).table.name
+    row_in_second_batch = "lpad('300', 64, '0')"  # oldest first: g=1500 … g=300 is the 1201st
+    _alter(
+        pg_app,
+        f"""
+        CREATE FUNCTION "{table}_refuse"() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF OLD.key_digest = {row_in_second_batch} THEN
+                RAISE EXCEPTION 'refusing to delete this row';
+            END IF;
+            RETURN OLD;
+        END $$;
+        CREATE TRIGGER refuse BEFORE DELETE ON {{table}}
+            FOR EACH ROW EXECUTE FUNCTION "{table}_refuse"();
+        """,
+    )
+    try:
+        result = pg_app.test_cli_runner().invoke(
+            args=["idempotency", "prune", "--batch-size", "1000"]
+        )
+    finally:
+        _alter(pg_app, f'DROP TRIGGER refuse ON {{table}}; DROP FUNCTION "{table}_refuse"()')
+    assert result.exit_code == 1, result.output
+    assert "Deleted 1000 expired records before the error." in result.stderr
+    assert "Error: database error: " in result.stderr
+    assert "refusing to delete this row" in result.stderr
+    assert "Traceback" not in result.output
+    assert row_count(pg_app) == 500  # the failed batch rolled back whole
+
+
 def test_c28_prune_rejects_bad_arguments(pg_app: Flask) -> None:
     runner = pg_app.test_cli_runner()
     for args in (["--batch-size", "0"], ["--batch-size", "many"], ["--max-seconds", "0"]):
