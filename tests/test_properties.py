@@ -1,0 +1,310 @@
+"""Property tests (Hypothesis): header parsing, fingerprint invariance, exact replay (C2, C3, C6, C9).
+
+Fingerprints are computed on real Flask requests; replay goes through a real app
+and the SQLite store. ``max_examples`` is moderate and there is no deadline, so
+a loaded 2-core machine does not turn into flaky failures.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from typing import Any
+from urllib.parse import urlencode
+
+import pytest
+from flask import Flask, Response, request
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from flask_idempotency import Idempotency, idempotent
+from flask_idempotency.config import TRANSIENT_STATUSES
+from flask_idempotency.fingerprint import request_fingerprint
+from flask_idempotency.keys import InvalidKey, parse_key
+from flask_idempotency.records import Completed, StoredResponse
+
+PROPERTY_SETTINGS = settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+PRINTABLE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
+BARE_ALPHABET = st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters='"\\,;')
+OUTSIDE_PRINTABLE = st.characters(
+    blacklist_categories=(), codec=None
+).filter(lambda c: not 0x20 <= ord(c) <= 0x7E)
+
+
+def sf_string(text: str) -> str:
+    """Serialise ``text`` as an RFC 9651 String."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+# -- header parsing ------------------------------------------------------------------------------
+
+
+@PROPERTY_SETTINGS
+@given(text=st.text(PRINTABLE, min_size=1, max_size=255), strict=st.booleans())
+def test_c2_sf_string_round_trip(text: str, strict: bool) -> None:
+    assert parse_key([sf_string(text)], strict=strict) == text
+
+
+@PROPERTY_SETTINGS
+@given(
+    text=st.text(PRINTABLE, min_size=1, max_size=64),
+    params=st.lists(
+        st.tuples(
+            st.from_regex(r"[a-z*][a-z0-9_.*-]{0,8}", fullmatch=True),
+            st.one_of(
+                st.none(),
+                st.integers(-(10**15) + 1, 10**15 - 1).map(str),
+                st.booleans().map(lambda b: "?1" if b else "?0"),
+                st.text(PRINTABLE, max_size=10).map(sf_string),
+                st.from_regex(r"[A-Za-z*][A-Za-z0-9:/!#$%&'*+.^_`|~-]{0,8}", fullmatch=True),
+            ),
+        ),
+        max_size=4,
+    ),
+)
+def test_c2_parameters_never_change_the_key(text: str, params: list[tuple[str, Any]]) -> None:
+    suffix = "".join(f";{k}" if v is None else f";{k}={v}" for k, v in params)
+    assert parse_key([sf_string(text) + suffix]) == text
+
+
+@PROPERTY_SETTINGS
+@given(key=st.text(BARE_ALPHABET, min_size=1, max_size=255))
+def test_c2_bare_keys_parse_to_themselves_and_equal_their_quoted_form(key: str) -> None:
+    assert parse_key([key]) == key
+    assert parse_key([sf_string(key)]) == key
+    assert parse_key([key], strict=True) is None  # strict mode reads only sf-strings
+
+
+@PROPERTY_SETTINGS
+@given(
+    before=st.text(PRINTABLE, max_size=20),
+    bad=OUTSIDE_PRINTABLE,
+    after=st.text(PRINTABLE, max_size=20),
+    strict=st.booleans(),
+)
+def test_c3_any_char_outside_printable_ascii_inside_quotes_is_rejected(
+    before: str, bad: str, after: str, strict: bool
+) -> None:
+    with pytest.raises(InvalidKey):
+        parse_key([sf_string(before + bad + after)], strict=strict)
+
+
+@PROPERTY_SETTINGS
+@given(text=st.text(min_size=0, max_size=300))
+def test_c3_parse_key_only_ever_returns_a_valid_key_or_raises_invalid_key(text: str) -> None:
+    """Total function: any input is a key of printable ASCII within the limit, None, or InvalidKey."""
+    try:
+        key = parse_key([text])
+    except InvalidKey:
+        return
+    assert key is not None
+    assert 1 <= len(key) <= 255
+    assert all(0x20 <= ord(c) <= 0x7E for c in key)
+
+
+# -- fingerprint ----------------------------------------------------------------------------------
+
+
+JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+JSON_DOCS = st.dictionaries(st.text(max_size=8), JSON_VALUES, min_size=1, max_size=6)
+
+
+def messy_dump(value: Any, rnd: random.Random) -> str:
+    """Serialise with shuffled keys, random insignificant whitespace and random escaping."""
+
+    def ws() -> str:
+        return rnd.choice(["", " ", "\n", "\t", "  ", "\r\n", " \n  "])
+
+    if isinstance(value, dict):
+        items = list(value.items())
+        rnd.shuffle(items)
+        inner = ",".join(
+            ws() + json.dumps(k, ensure_ascii=rnd.random() < 0.5) + ws() + ":" + ws()
+            + messy_dump(v, rnd) + ws()
+            for k, v in items
+        )
+        return "{" + ws() + inner + "}"
+    if isinstance(value, list):
+        return "[" + ws() + ",".join(ws() + messy_dump(v, rnd) + ws() for v in value) + "]"
+    return json.dumps(value, ensure_ascii=rnd.random() < 0.5)
+
+
+@pytest.fixture(scope="module")
+def fp_app() -> Flask:
+    app = Flask("properties_fp")
+
+    @app.route("/a", methods=["POST", "PATCH"])
+    def route_a():
+        return ""
+
+    @app.post("/b")
+    def route_b():
+        return ""
+
+    return app
+
+
+def fingerprint(app: Flask, body: str | bytes, *, path: str = "/a", method: str = "POST",
+                query: str = "", content_type: str = "application/json") -> str:
+    url = path + ("?" + query if query else "")
+    with app.test_request_context(url, method=method, data=body, content_type=content_type):
+        return request_fingerprint(request)
+
+
+def canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@PROPERTY_SETTINGS
+@given(doc=JSON_DOCS, rnd=st.randoms(use_true_random=False))
+def test_c6_json_key_order_and_whitespace_never_matter(fp_app, doc, rnd) -> None:
+    messy = messy_dump(doc, rnd)
+    assert json.loads(messy) == json.loads(json.dumps(doc))  # the generator is honest
+    assert fingerprint(fp_app, messy) == fingerprint(fp_app, json.dumps(doc))
+
+
+@PROPERTY_SETTINGS
+@given(doc=JSON_DOCS, data=st.data())
+def test_c6_changing_any_value_changes_the_fingerprint(fp_app, doc, data) -> None:
+    key = data.draw(st.sampled_from(sorted(doc)))
+    new_value = data.draw(JSON_VALUES)
+    assume(canonical(new_value) != canonical(doc[key]))
+    changed = {**doc, key: new_value}
+    assert fingerprint(fp_app, json.dumps(changed)) != fingerprint(fp_app, json.dumps(doc))
+
+
+@PROPERTY_SETTINGS
+@given(doc=JSON_DOCS, data=st.data())
+def test_c6_adding_or_removing_a_key_changes_the_fingerprint(fp_app, doc, data) -> None:
+    new_key = data.draw(st.text(max_size=8))
+    assume(new_key not in doc)
+    bigger = {**doc, new_key: data.draw(JSON_VALUES)}
+    assert fingerprint(fp_app, json.dumps(bigger)) != fingerprint(fp_app, json.dumps(doc))
+
+
+@PROPERTY_SETTINGS
+@given(doc=JSON_DOCS)
+def test_c6_method_and_route_change_the_fingerprint(fp_app, doc) -> None:
+    body = json.dumps(doc)
+    post_a = fingerprint(fp_app, body)
+    assert fingerprint(fp_app, body, method="PATCH") != post_a
+    assert fingerprint(fp_app, body, path="/b") != post_a
+
+
+QUERY_ITEMS = st.lists(
+    st.tuples(st.text(PRINTABLE, min_size=1, max_size=6), st.text(PRINTABLE, max_size=6)),
+    max_size=5,
+)
+
+
+def encode_query(items: list[tuple[str, str]]) -> str:
+    return urlencode(items)
+
+
+@PROPERTY_SETTINGS
+@given(items=QUERY_ITEMS, other=QUERY_ITEMS, rnd=st.randoms(use_true_random=False))
+def test_c6_query_order_never_matters_and_content_does(fp_app, items, other, rnd) -> None:
+    shuffled = list(items)
+    rnd.shuffle(shuffled)
+    base = fingerprint(fp_app, "{}", query=encode_query(items))
+    assert fingerprint(fp_app, "{}", query=encode_query(shuffled)) == base
+    if sorted(other) != sorted(items):
+        assert fingerprint(fp_app, "{}", query=encode_query(other)) != base
+
+
+@PROPERTY_SETTINGS
+@given(body=st.binary(max_size=2048), other=st.binary(max_size=2048))
+def test_c6_raw_bodies_differ_exactly_when_their_bytes_do(fp_app, body, other) -> None:
+    ct = "application/octet-stream"
+    same = fingerprint(fp_app, body, content_type=ct) == fingerprint(fp_app, other, content_type=ct)
+    assert same == (body == other)
+
+
+# -- stored and replayed bodies are byte-identical -------------------------------------------------
+
+STORED_STATUSES = [
+    s
+    for s in [*range(200, 209), 226, *range(300, 309), *range(400, 419), 421, 422, 424, 426,
+              428, 431, 451, 299, 399, 499]
+    if s not in TRANSIENT_STATUSES
+]
+
+
+@pytest.fixture(scope="module")
+def replay_app(tmp_path_factory) -> tuple[Flask, list[str]]:
+    tmp = tmp_path_factory.mktemp("replay")
+    app = Flask("properties_replay", instance_path=str(tmp / "instance"))
+    app.config["IDEMPOTENCY_DATABASE_URI"] = f"sqlite:///{tmp}/replay.sqlite3"
+    app.config["IDEMPOTENCY_WAIT"] = 0
+    Idempotency(app)
+    store = app.extensions["idempotency"].store
+    store.create_table()
+    calls: list[str] = []
+
+    @app.post("/echo")
+    @idempotent
+    def echo():
+        calls.append(request.headers["Idempotency-Key"])
+        status = int(request.args["status"])
+        return Response(request.get_data(), status=status, mimetype=request.args["mimetype"])
+
+    yield app, calls
+    store.engine.dispose()
+
+
+@PROPERTY_SETTINGS
+@given(
+    body=st.binary(max_size=4096),
+    status=st.sampled_from(STORED_STATUSES),
+    mimetype=st.sampled_from(["application/octet-stream", "application/json", "text/plain"]),
+)
+def test_c9_replay_is_byte_identical(replay_app, body: bytes, status: int, mimetype: str) -> None:
+    app, calls = replay_app
+    key = uuid.uuid4().hex
+    client = app.test_client()
+    kwargs = {
+        "query_string": {"status": status, "mimetype": mimetype},
+        "data": body,
+        "content_type": "application/octet-stream",
+        "headers": {"Idempotency-Key": key},
+    }
+    first = client.post("/echo", **kwargs)
+    replay = client.post("/echo", **kwargs)
+    assert first.status_code == replay.status_code == status
+    assert replay.data == first.data
+    assert replay.headers.get("Idempotent-Replayed") == "true"
+    assert "Idempotent-Replayed" not in first.headers
+    assert replay.headers.get("Content-Type") == first.headers.get("Content-Type")
+    assert calls.count(key) == 1
+
+
+@PROPERTY_SETTINGS
+@given(
+    body=st.binary(max_size=2048),
+    status=st.integers(100, 599),
+    headers=st.lists(st.tuples(st.text(min_size=1, max_size=10), st.text(max_size=20)), max_size=4),
+    omitted=st.booleans(),
+    expires=st.integers(0, 2**53),
+)
+def test_c22_cache_record_round_trips(body, status, headers, omitted, expires) -> None:
+    record = Completed("f" * 64, expires, StoredResponse(status, tuple(headers), body, omitted))
+    assert Completed.from_json(record.to_json()) == record
