@@ -197,12 +197,17 @@ class Maintenance:
         if from_expiry is not None:
             condition = and_(condition, t.c.expires_at_ms >= from_expiry)
         doomed = select(t.c.id).where(condition).order_by(t.c.expires_at_ms).limit(batch_size)
-        if self.store.dialect == "postgresql":
-            doomed = doomed.with_for_update(skip_locked=True)
-        stmt = delete(t).where(t.c.id.in_(doomed.scalar_subquery())).returning(t.c.expires_at_ms)
+        if self.store.dialect != "postgresql":
+            # SQLite removes index entries as it deletes: no cursor needed, and no
+            # DELETE … RETURNING, which only SQLite 3.35 and later understand.
+            stmt = delete(t).where(t.c.id.in_(doomed.scalar_subquery()))
+            deleted = self._run(lambda conn: conn.execute(stmt).rowcount, transaction=True)
+            return PruneBatch(int(deleted), None)
+        doomed = doomed.with_for_update(skip_locked=True)
+        returning = delete(t).where(t.c.id.in_(doomed.scalar_subquery())).returning(t.c.expires_at_ms)
 
         def run(conn: Connection) -> PruneBatch:
-            expiries = conn.execute(stmt).scalars().all()
+            expiries = conn.execute(returning).scalars().all()
             return PruneBatch(len(expiries), max(expiries, default=from_expiry))
 
         return self._run(run, transaction=True)
