@@ -13,7 +13,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import StaticPool
 
-from . import lifecycle
+from . import atomic, lifecycle
 from .cache import NoCache, ResponseCache
 from .config import EffectiveOptions, RouteOptions, Settings
 from .fingerprint import default_scope
@@ -39,6 +39,16 @@ class AppState:
         if options is None:
             options = self._options[route] = EffectiveOptions.merge(self.settings, route)
         return options
+
+    def require_db(self) -> Any:
+        """The Flask-SQLAlchemy ``db`` that atomic mode needs (C40)."""
+        db = self.extension._db
+        if db is None:
+            raise RuntimeError(
+                "@idempotent(atomic=True) needs Idempotency(db=db): the view's writes and the"
+                " idempotency record must commit in one database transaction."
+            )
+        return db
 
     def scope_for_request(self) -> str:
         """The scope of the current request: the registered loader's, else the default (C5)."""
@@ -85,6 +95,9 @@ class Idempotency:
                 "Another Idempotency instance is already registered on this app."
             )
         settings = Settings.from_config(app.config)
+        if settings.atomic and self._db is None:
+            raise ValueError("IDEMPOTENCY_ATOMIC needs Idempotency(db=db) (C40).")
+        _check_registered_views(app, settings)
         store = self._build_store(app, settings)
         wakeups = WakeupHub(max_waiters=settings.max_waiters)
         cache = self._build_cache(app, settings, wakeups)
@@ -93,6 +106,8 @@ class Idempotency:
         app.after_request(lifecycle.after_request)
         app.teardown_request(lifecycle.teardown_request)
         got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
+        if self._db is not None:
+            atomic.guard_sessions(self._db)
         from .cli import idempotency_cli
 
         app.cli.add_command(idempotency_cli)
@@ -158,6 +173,20 @@ class Idempotency:
         tier = RedisTier.from_settings(settings, client=self._redis)
         wakeups.channel = tier
         return tier
+
+
+def _check_registered_views(app: Flask, settings: Settings) -> None:
+    """Fail at start-up, not at the first request, when a view's options clash with the app's.
+
+    Views registered after ``init_app`` are checked when their first request arrives.
+    """
+    for endpoint, view in app.view_functions.items():
+        route = getattr(view, lifecycle.ROUTE_OPTIONS_ATTR, None)
+        if route is not None:
+            try:
+                EffectiveOptions.merge(settings, route)
+            except ValueError as exc:
+                raise ValueError(f"@idempotent on {endpoint!r}: {exc}") from None
 
 
 def _lazy_engine(uri: str) -> Callable[[], Engine]:

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Response, current_app, g, request
 
-from . import signals
+from . import atomic, signals
 from .config import TRANSIENT_STATUSES, EffectiveOptions, RouteOptions
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
 from .problems import InvalidKeyProblem, KeyReused, MissingKey, RequestInProgress, StoreUnavailable
-from .records import COMPLETED, IN_PROGRESS, Claim, Completed, Identity, Record
+from .records import COMPLETED, IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .responses import capture, replay
 from .store import StoreError
 from .wakeup import PollSchedule, TooManyWaiters
@@ -75,6 +75,8 @@ def before_request() -> Response | None:
     options = state.effective_options(route)
     if request.method not in options.methods:
         return None  # C1: a key on another method is ignored
+    if options.atomic:
+        state.require_db()  # a configuration error must surface before anything is claimed
     started = time.perf_counter()
     settings = state.settings
     try:
@@ -208,6 +210,8 @@ def _answer(decision: _Decision, outcome: Claim | Completed | Record) -> Respons
 
 
 def _own(decision: _Decision, claim: Claim) -> None:
+    if decision.options.atomic:
+        atomic.begin(decision.state.require_db())  # C40: the view's writes join the completion
     if claim.how == "replaced":
         decision.state.cache.discard(decision.ident.key_digest)  # an old copy must not replay
     elif claim.how == "taken_over":
@@ -247,9 +251,8 @@ def after_request(response: Response) -> Response:
     reason = _release_reason(own, response.status_code)
     if reason is not None:
         _release(own, reason, response.status_code)
-    else:
-        _store(own, response)
-    return response
+        return response
+    return _store(own, response)
 
 
 def _release_reason(own: Ownership, status: int) -> str | None:
@@ -265,10 +268,17 @@ def _release_reason(own: Ownership, status: int) -> str | None:
     return None
 
 
-def _store(own: Ownership, response: Response) -> None:
+def _store(own: Ownership, response: Response) -> Response:
+    """Complete the record with ``response``; the answer the client gets (C14, C23, C40)."""
     state: AppState = current_app.extensions["idempotency"]
     digest = own.ident.key_digest
-    stored = capture(response, state.settings)
+    try:
+        stored = capture(response, state.settings)
+    except Exception:
+        _release(own, "exception", response.status_code)  # a stream that failed mid-buffer
+        raise
+    if own.options.atomic:
+        return _store_atomic(own, response, stored)
     try:
         expires_at_ms = state.store.complete(own.claim, stored)
     except StoreError as exc:
@@ -276,10 +286,47 @@ def _store(own: Ownership, response: Response) -> None:
         # lease lapses, so a retry waits rather than running the view again at once.
         log.error("idempotency: could not store the response for %s: %s", digest[:16], exc)
         _emit_owned(signals.store_error, own, tier="database", error=str(exc), action="complete")
-        return
+        return response
     if expires_at_ms is None:
         _lease_lost(own, "complete")
-        return
+        return response
+    _completed(own, stored, expires_at_ms)
+    return response
+
+
+def _store_atomic(own: Ownership, response: Response, stored: StoredResponse) -> Response:
+    """Commit the view's writes and the completion as one transaction (C40).
+
+    Both or neither: if the lease was lost, or the commit failed, the view's
+    writes are gone, so its response would be a lie; the client gets a problem
+    telling it to retry with the same key.
+    """
+    state: AppState = current_app.extensions["idempotency"]
+    try:
+        expires_at_ms = atomic.commit(state.require_db(), state.store, own.claim, stored)
+    except StoreError as exc:
+        log.error("idempotency: atomic commit failed for %s: %s", own.ident.key_digest[:16], exc)
+        _emit_owned(signals.store_error, own, tier="database", error=str(exc), action="commit")
+        _release(own, "commit-failed", stored.status)
+        return StoreUnavailable(
+            "The request could not be committed and nothing was kept. Retry with the same key.",
+            retry_after=_STORE_RETRY_AFTER,
+        ).get_response()
+    if expires_at_ms is None:
+        _lease_lost(own, "complete")
+        return RequestInProgress(
+            "Another request took this Idempotency-Key over while this one ran;"
+            " this one's changes were rolled back. Retry with the same key to get its result.",
+            retry_after=1.0,
+        ).get_response()
+    _completed(own, stored, expires_at_ms)
+    return response
+
+
+def _completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> None:
+    """After the durable commit: promote to the cache, then wake the waiters (C23)."""
+    state: AppState = current_app.extensions["idempotency"]
+    digest = own.ident.key_digest
     completed = Completed(own.ident.fingerprint, expires_at_ms, stored)
     state.cache.promote(digest, completed, publish=True)  # C23: after the commit
     state.wakeups.wake(digest)
@@ -307,6 +354,8 @@ def mark_failed(sender: Any, exception: BaseException, **extra: Any) -> None:
 def _release(own: Ownership, reason: str, status: int | None) -> None:
     state: AppState = current_app.extensions["idempotency"]
     digest = own.ident.key_digest
+    if own.options.atomic:
+        atomic.abandon(state.require_db())  # nothing the view wrote survives a release
     try:
         released = state.store.release(own.claim)
     except StoreError as exc:

@@ -240,8 +240,18 @@ class DurableStore:
 
     def complete(self, claim: Claim, response: StoredResponse) -> int | None:
         """Store the response and mark the record completed; ``None`` if the lease was lost (C14)."""
+        stmt = self.completion_statement(claim, response)
+        row = self._run(lambda c: c.execute(stmt).first())
+        return None if row is None else int(row.expires_at_ms)
+
+    def completion_statement(self, claim: Claim, response: StoredResponse) -> Any:
+        """The fenced UPDATE that completes a record, returning its expiry.
+
+        Run on its own by :meth:`complete`, or inside the view's transaction in
+        atomic mode, where it also locks the row until that transaction commits.
+        """
         t = self.table
-        stmt = (
+        return (
             update(t)
             .where(t.c.id == claim.record_id, t.c.lock_token == claim.lock_token)
             .values(
@@ -256,8 +266,6 @@ class DurableStore:
             )
             .returning(t.c.expires_at_ms)
         )
-        row = self._run(lambda c: c.execute(stmt).first())
-        return None if row is None else int(row.expires_at_ms)
 
     def release(self, claim: Claim) -> bool:
         """Delete the owner's record so a retry runs as new; ``False`` if the lease was lost (C20)."""
