@@ -182,12 +182,6 @@ def test_route_options_override_app_settings() -> None:
     assert (untouched.required, untouched.ttl, untouched.wait) == (False, 86400, 5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a route ttl shorter than the app lease is only detected by "
-    "EffectiveOptions.merge at the first request (ValueError -> 500); init_app "
-    "should validate the views already registered",
-)
 def test_route_ttl_shorter_than_app_lease_fails_at_init_app(tmp_path) -> None:
     app = fresh_app(tmp_path, {"IDEMPOTENCY_LEASE": 60})
 

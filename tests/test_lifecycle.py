@@ -784,11 +784,6 @@ def test_c32_stream_with_context_is_stored(make_app) -> None:
     assert calls == ["stream"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: lifecycle.after_request sets own.settled before capture(); a generator "
-    "that raises while being buffered leaves the claim in_progress until the lease lapses",
-)
 def test_c15_stream_that_fails_while_buffered_releases(make_app) -> None:
     app, calls = exit_path_app(make_app, {"TESTING": False})
 
