@@ -9,6 +9,7 @@ into the same byte string.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import tempfile
@@ -67,14 +68,22 @@ def _hash_body(request: Request, body: Any) -> None:
         body.update(b"json:" if canonical is not None else b"raw:")
         body.update(canonical if canonical is not None else data)
     elif mimetype == "application/x-www-form-urlencoded":
+        # Cache the raw bytes first: the form is then parsed from the cache and the
+        # view can still read them (webhook signatures are computed over them, X18).
+        # Werkzeug reads an urlencoded body into memory to parse it anyway.
+        request.get_data(cache=True)
         body.update(b"form:")
         body.update(_canonical_fields(request, with_files=False))
     elif mimetype == "multipart/form-data":
+        # Spool the raw body (memory, then disk) and parse the form from the spool,
+        # then rewind it, so the view can read the exact bytes too (X18).
+        _spool_stream(request, None)
         body.update(b"multipart:")
         body.update(_canonical_fields(request, with_files=True))
+        _rewind_spool(request)
     else:
         body.update(b"raw:")
-        _hash_raw_stream(request, body)
+        _spool_stream(request, body)
 
 
 def _canonical_json(data: bytes) -> bytes | None:
@@ -101,7 +110,7 @@ def _canonical_fields(request: Request, *, with_files: bool) -> bytes:
         for name, upload in request.files.items(multi=True):
             content = hashlib.sha256()
             stream = upload.stream
-            for chunk in iter(lambda: stream.read(_CHUNK), b""):
+            for chunk in iter(functools.partial(stream.read, _CHUNK), b""):
                 content.update(chunk)
             stream.seek(0)
             fields.append(
@@ -111,25 +120,40 @@ def _canonical_fields(request: Request, *, with_files: bool) -> bytes:
     return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
-def _hash_raw_stream(request: Request, body: Any) -> None:
-    """Hash the body while spooling it, then hand the view the spooled copy.
+def _spool_stream(request: Request, body: Any | None) -> None:
+    """Read the body once, hashing it into ``body`` if given, and hand the view a spooled copy.
 
-    The body is read once through Werkzeug's guarded stream (so the app's
-    ``MAX_CONTENT_LENGTH`` applies, C31), hashed chunk by chunk, and kept in one
-    place only: memory for small bodies, a temporary file for large ones.
+    The body is read through Werkzeug's guarded stream (so the app's
+    ``MAX_CONTENT_LENGTH`` applies, C31), chunk by chunk, and kept in one place
+    only: memory for small bodies, a temporary file for large ones.
     """
     cached = getattr(request, "_cached_data", None)
     if cached is not None:
-        body.update(cached)
+        if body is not None:
+            body.update(cached)
         return
+    if "form" in request.__dict__:
+        return  # already parsed (and the stream consumed) before this layer ran
     stream = request.stream
-    spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY)
-    for chunk in iter(lambda: stream.read(_CHUNK), b""):
-        body.update(chunk)
-        spool.write(chunk)
+    # Not a context manager: the spool outlives this call, closed with the request.
+    spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY)  # noqa: SIM115
+    try:
+        for chunk in iter(lambda: stream.read(_CHUNK), b""):
+            if body is not None:
+                body.update(chunk)
+            spool.write(chunk)
+    except BaseException:
+        spool.close()
+        raise
     spool.seek(0)
     request.__dict__["stream"] = spool
     request.close = _closing(request.close, spool)  # type: ignore[method-assign]
+
+
+def _rewind_spool(request: Request) -> None:
+    stream = request.__dict__.get("stream")
+    if isinstance(stream, tempfile.SpooledTemporaryFile) and not stream.closed:
+        stream.seek(0)
 
 
 def _closing(close: Any, spool: IO[bytes]) -> Any:
