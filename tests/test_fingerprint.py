@@ -300,6 +300,88 @@ def test_x18_view_sees_form_fields(echo_app) -> None:
     assert response.json["form"] == [["a", "1"], ["b", "2"]]
 
 
+def multipart_body(boundary: str, content: bytes) -> bytes:
+    return (
+        f"--{boundary}\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhi\r\n"
+        f"--{boundary}\r\nContent-Disposition: form-data; name=\"upload\"; filename=\"a.bin\"\r\n"
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode() + content + f"\r\n--{boundary}--\r\n".encode()
+
+
+@pytest.mark.parametrize("size", [10, 3 * 1024 * 1024])
+def test_x18_view_sees_the_raw_bytes_of_forms(make_app, size: int) -> None:
+    """A webhook verifying a signature over the raw form body still can (X18)."""
+    app, _ = make_app()
+    seen: list[tuple] = []
+
+    @app.post("/hook")
+    @idempotent
+    def hook():
+        raw = request.get_data()  # first: what a signature check does
+        seen.append((hashlib.sha256(raw).hexdigest(), dict(request.form), list(request.files)))
+        return "ok"
+
+    client = app.test_client()
+    form = b"a=1&b=" + b"x" * size + b"&c=%C3%BC"
+    client.post(
+        "/hook", data=form, content_type="application/x-www-form-urlencoded",
+        headers={"Idempotency-Key": "form"},
+    )
+    assert seen[-1][0] == hashlib.sha256(form).hexdigest()
+    assert seen[-1][1] == {"a": "1", "b": "x" * size, "c": "ü"}
+    body = multipart_body("b0undary", os.urandom(size))
+    client.post(
+        "/hook", data=body, content_type="multipart/form-data; boundary=b0undary",
+        headers={"Idempotency-Key": "multipart"},
+    )
+    assert seen[-1][0] == hashlib.sha256(body).hexdigest()
+    assert seen[-1][1] == {"note": "hi"} and seen[-1][2] == ["upload"]
+
+
+def test_c6_multipart_boundary_does_not_matter(make_app) -> None:
+    """A retry's client picks a new boundary; it is the same request (replay, not 422)."""
+    app, _ = make_app()
+    calls: list[int] = []
+
+    @app.post("/upload")
+    @idempotent
+    def upload():
+        calls.append(1)
+        return jsonify(size=len(request.files["upload"].read()))
+
+    client = app.test_client()
+    content = os.urandom(1000)
+    for boundary in ("first-boundary", "second-boundary"):
+        response = client.post(
+            "/upload", data=multipart_body(boundary, content),
+            content_type=f"multipart/form-data; boundary={boundary}",
+            headers={"Idempotency-Key": "k"},
+        )
+        assert response.status_code == 200 and response.json == {"size": 1000}
+    assert response.headers.get("Idempotent-Replayed") == "true"
+    assert calls == [1]
+
+
+def test_x18_form_parsed_before_the_layer_still_fingerprints(make_app) -> None:
+    app, _ = make_app()
+    app.before_request_funcs.setdefault(None, []).insert(0, lambda: request.form and None)
+    calls: list[dict] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        calls.append(dict(request.form))
+        return "ok"
+
+    client = app.test_client()
+    client.post("/pay", data={"a": "1"}, headers={"Idempotency-Key": "k"})
+    assert client.post("/pay", data={"a": "1"}, headers={"Idempotency-Key": "k"}).headers.get(
+        "Idempotent-Replayed"
+    ) == "true"
+    assert client.post("/pay", data={"a": "2"}, headers={"Idempotency-Key": "k"}).status_code == 422
+    assert calls == [{"a": "1"}]
+
+
 def test_x18_view_can_read_uploaded_files_after_fingerprinting(echo_app) -> None:
     app, calls = echo_app
     content = os.urandom(4096)
