@@ -163,7 +163,9 @@ def _wait_for_original(decision: _Decision, record: Record) -> Claim | Completed
     outcome: Claim | Completed | Record = record
     try:
         with hub.parked(decision.ident.key_digest) as parked:
-            polls = PollSchedule(cap=1.0 if hub.cross_process_live else 0.5)
+            # With pub/sub confirmed, polling is only the safety net for a lost message.
+            live = hub.cross_process_live
+            polls = PollSchedule(first=0.1 if live else 0.025, cap=1.0 if live else 0.5)
             while True:
                 outcome = _look_up(decision)
                 if not _in_flight(decision, outcome):
