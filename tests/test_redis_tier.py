@@ -337,7 +337,7 @@ def two_processes(make_app, server, tmp_path, **config: Any) -> tuple[SimpleName
 @pytest.fixture
 def no_poll_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Waiters re-check only when woken: a lost wake-up becomes a 409, not a delay."""
-    monkeypatch.setattr(lifecycle, "PollSchedule", lambda cap: PollSchedule(first=600, cap=600))
+    monkeypatch.setattr(lifecycle, "PollSchedule", lambda **_: PollSchedule(first=600, cap=600))
 
 
 def park_hook(hub: WakeupHub, before_sleep: Callable[[], None]) -> None:
