@@ -21,6 +21,15 @@ class Identity:
     method: str
     path: str
 
+    def __post_init__(self) -> None:
+        # ``path`` comes from the client (``/files/a%00b``) and ``scope`` from the app;
+        # PostgreSQL text cannot hold NUL, so an unescaped one would turn a request
+        # into a 500. They are informational columns: the record is named by the digest.
+        for name in ("scope", "path"):
+            value = getattr(self, name)
+            if "\x00" in value:
+                object.__setattr__(self, name, value.replace("\x00", "%00"))
+
 
 @dataclasses.dataclass(frozen=True)
 class StoredResponse:
