@@ -328,6 +328,27 @@ def test_odd_query_strings_never_500(app_calls, query: str) -> None:
     assert calls == ["pay"]
 
 
+@pytest.mark.parametrize(
+    "path", ["/files/a%00b", "/files/%ff%fe", "/files/%ed%a0%80", "/files/" + "x" * 100_000]
+)
+def test_hostile_paths_never_500(make_app, path: str) -> None:
+    app, _ = make_app({"TESTING": False})
+    calls: list[str] = []
+
+    @app.post("/files/<path:name>")
+    @idempotent
+    def files(name: str):
+        calls.append(name)
+        return "ok", 201
+
+    client = app.test_client()
+    first = client.post(path, headers={"Idempotency-Key": "p"})
+    again = client.post(path, headers={"Idempotency-Key": "p"})
+    assert first.status_code == 201
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    assert len(calls) == 1
+
+
 def test_random_bodies_and_keys_fuzz(app_calls) -> None:
     """A seeded mix of everything above: every answer is < 500, layer errors store nothing."""
     app, _ = app_calls

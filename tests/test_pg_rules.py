@@ -306,3 +306,47 @@ def test_c8_pg_parallel_first_requests_with_different_bodies(make_pg_app) -> Non
         thread.join(PARK_LIMIT * 2)
     assert len(calls) == 1
     assert sorted(statuses) == [201] + [422] * (racers - 1)
+
+
+HOSTILE_PATHS = [
+    "/files/a%00b",  # NUL: PostgreSQL text cannot hold it
+    "/files/%ff%fe",
+    "/files/%ed%a0%80",  # an encoded surrogate
+    "/files/%C0%80",  # overlong UTF-8 NUL
+    "/files/" + "x" * 100_000,
+]
+
+
+@pytest.mark.parametrize("path", HOSTILE_PATHS)
+def test_pg_hostile_paths_never_500(make_pg_app, path: str) -> None:
+    """The request path is stored as an informational column; any path must be storable."""
+    app, _ = make_pg_app({"TESTING": False})
+    calls: list[str] = []
+
+    @app.post("/files/<path:name>")
+    @idempotent
+    def files(name: str):
+        calls.append(name)
+        return jsonify(length=len(name)), 201
+
+    client = app.test_client()
+    first = client.post(path, headers=KEY)
+    again = client.post(path, headers=KEY)
+    assert first.status_code == 201, first.data[:200]
+    assert again.headers.get(REPLAYED) == "true"
+    assert len(calls) == 1
+
+
+def test_pg_scope_with_nul_never_500(make_pg_app) -> None:
+    app, ext = make_pg_app({"TESTING": False})
+    ext.scope_loader(lambda: request.headers.get("X-Tenant", "") + "\x00suffix")
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        return "paid", 201
+
+    client = app.test_client()
+    assert client.post("/pay", headers={**KEY, "X-Tenant": "a"}).status_code == 201
+    assert client.post("/pay", headers={**KEY, "X-Tenant": "a"}).headers.get(REPLAYED) == "true"
+    assert client.post("/pay", headers={**KEY, "X-Tenant": "b"}).headers.get(REPLAYED) is None
