@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import flask_migrate
@@ -31,12 +33,47 @@ def prepare_database(app: Flask) -> str:
         if not os.path.exists(os.path.join(MIGRATIONS_DIR, "env.py")):
             db.create_all()
             return "create_all"
-        tables = set(inspect(db.engine).get_table_names())
-        if "payments" in tables and "alembic_version" not in tables:
-            # Created by create_all before the repository had migrations: adopt it.
-            flask_migrate.stamp(directory=MIGRATIONS_DIR)
-        flask_migrate.upgrade(directory=MIGRATIONS_DIR)
+        with _logging_restored():
+            tables = set(inspect(db.engine).get_table_names())
+            if "payments" in tables and "alembic_version" not in tables:
+                # Created by create_all before the repository had migrations: adopt it.
+                flask_migrate.stamp(directory=MIGRATIONS_DIR)
+            flask_migrate.upgrade(directory=MIGRATIONS_DIR)
         return "migrations"
+
+
+@contextmanager
+def _logging_restored() -> Iterator[None]:
+    """Undo what Alembic's ``env.py`` does to logging in this process.
+
+    Its ``fileConfig`` swaps the root handlers and disables every logger the ini
+    file does not name, ``flask_idempotency`` included: its warnings (store down,
+    lease lost) would vanish for the rest of the process.
+    """
+    manager = logging.Logger.manager
+    root = logging.getLogger()
+    root_handlers, root_level = list(root.handlers), root.level
+    before = {
+        name: (logger.disabled, logger.level)
+        for name, logger in manager.loggerDict.items()
+        if isinstance(logger, logging.Logger)
+    }
+    try:
+        yield
+    finally:
+        for handler in root.handlers:
+            if handler not in root_handlers:
+                root.removeHandler(handler)
+                handler.close()
+        for handler in root_handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(root_level)
+        for name, (disabled, level) in before.items():
+            logger = manager.loggerDict[name]
+            if isinstance(logger, logging.Logger):
+                logger.disabled = disabled
+                logger.setLevel(level)
 
 
 def log_decisions(app: Flask) -> None:
@@ -99,8 +136,8 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     app = create_app()
+    logging.getLogger("example").setLevel(logging.INFO)
     how = prepare_database(app)
-    _keep_our_loggers()
     redis_url = app.config.get("IDEMPOTENCY_REDIS_URL")
     print(f"Database: {_without_password(app.config['SQLALCHEMY_DATABASE_URI'])} (schema: {how})")
     print(f"Redis:    {_without_password(redis_url) if redis_url else 'none (durable tier only)'}")
@@ -109,14 +146,6 @@ def main(argv: list[str] | None = None) -> None:
     print(try_it(f"http://{args.host}:{args.port}"), flush=True)
     log_decisions(app)
     run_simple(args.host, args.port, app, threaded=True, use_reloader=False)
-
-
-def _keep_our_loggers() -> None:
-    """Alembic's ``fileConfig`` (run by the migrations) disables every logger it does not name."""
-    for name in ("example", "flask_idempotency"):
-        logger = logging.getLogger(name)
-        logger.disabled = False
-        logger.setLevel(logging.INFO)
 
 
 def _without_password(url: str) -> str:

@@ -6,6 +6,7 @@ code path ``make run`` uses: the embedded SQLite default in the instance folder.
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Iterator
@@ -302,10 +303,21 @@ def test_bad_gateway_latency_fails_at_start_up(
 
 # Flask-Migrate's stock env.py still calls the deprecated ``db.get_engine()`` first.
 @pytest.mark.filterwarnings("ignore:'get_engine' is deprecated:DeprecationWarning")
-def test_serve_prepares_the_schema_from_nothing(clean_env: None, tmp_path: Path) -> None:
-    """What ``make run`` does first: the repository's migrations (else create_all), then a charge."""
+def test_serve_prepares_the_schema_from_nothing(
+    clean_env: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What ``make run`` does first: the repository's migrations (else create_all), then a charge.
+
+    Alembic's env.py reconfigures logging; afterwards the extension's logger must
+    still be heard (C30's log checks and every operator depend on it).
+    """
     app = create_app({"TESTING": True}, instance_path=str(tmp_path / "fresh"))
     how = prepare_database(app)
+    extension_log = logging.getLogger("flask_idempotency")
+    assert not extension_log.disabled
+    with caplog.at_level(logging.WARNING, logger="flask_idempotency"):
+        extension_log.warning("still heard after the migrations")
+    assert "still heard after the migrations" in caplog.text
     has_migrations = (Path(MIGRATIONS_DIR) / "env.py").exists()
     assert how == ("migrations" if has_migrations else "create_all")
     with app.app_context():
