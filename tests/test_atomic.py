@@ -1,0 +1,414 @@
+"""Transactional mode (C40): the view's writes and the record's completion are one transaction.
+
+The payments app (tests/apps/atomicapp.py) writes one business row per execution
+into a table whose key column is deliberately not unique, so every duplicate
+execution that committed is a row to count. The SIGKILL proofs run it under
+gunicorn and kill its workers hundreds of times at chosen points of the view
+(tests/support/kill_campaign.py); the in-process proofs hold a request at a
+phase with an event, so their order never depends on timing.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from flask import jsonify, request
+from sqlalchemy.engine import URL
+
+from flask_idempotency import idempotent, release_claim, signals
+from flask_idempotency.atomic import ViewCommitted
+from tests.apps.atomicapp import AtomicApp, build_app
+from tests.support.kill_campaign import (
+    AtomicHarness,
+    CampaignResult,
+    KillCampaign,
+    audit,
+    body_for,
+    make_schedule,
+    settle_all,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+KEYS = 72  # four kill plans each: at most 288 kills, at least 200 expected to land
+LEASE = 2.0
+SEED = 40
+
+
+@pytest.fixture
+def harness(pg_url: URL, pg_table: str) -> Iterator[AtomicHarness]:
+    h = AtomicHarness(pg_url, pg_table)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+@pytest.fixture
+def make_payments_app(harness: AtomicHarness) -> Iterator[Callable[..., AtomicApp]]:
+    """In-process payments apps on the harness's tables (``TESTING`` unless told otherwise)."""
+    built: list[AtomicApp] = []
+
+    def factory(**options: Any) -> AtomicApp:
+        config = {"TESTING": True, **options.pop("config", {})}
+        handles = build_app(harness.url, harness.table, config=config, **options)
+        built.append(handles)
+        return handles
+
+    yield factory
+    for handles in built:
+        handles.dispose()
+
+
+def wait_until(condition: Callable[[], bool], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def kill_and_settle(harness: AtomicHarness, *, atomic: bool) -> tuple[CampaignResult, list[str]]:
+    """Run the shared kill schedule against a server in one mode, then settle every key with 201."""
+    server = harness.server(atomic=atomic, lease=LEASE)
+    keys = [f"c40-{'atomic' if atomic else 'plain'}-{i}" for i in range(KEYS)]
+    bodies = {key: body_for(key, i) for i, key in enumerate(keys)}
+    schedule = make_schedule(keys, SEED)
+    result = KillCampaign(harness, server, schedule, bodies, lease=LEASE).run()
+    server.wait_for_workers()
+
+    assert len(result.kills) >= 200, f"only {len(result.kills)} kills landed"
+    # The kills landed before the write, while it was pending, and after the view's work.
+    for phase in ("started", "written", "finishing"):
+        assert result.phases[phase] >= 1, result.phases
+
+    answers = settle_all(server.url, bodies)
+    statuses = collections.Counter(r.status_code for r in answers.values())
+    assert statuses == {201: len(keys)}, statuses
+    for key, answer in answers.items():
+        record = harness.record(key)
+        assert record is not None and record.state == "completed" and record.response is not None
+        assert answer.content == record.response.body  # the client sees what was stored
+    return result, keys
+
+
+# -- SIGKILL at random points ------------------------------------------------------------
+
+
+def test_c40_sigkill_at_random_points_leaves_exactly_one_row_per_key(
+    harness: AtomicHarness, record_property: Callable[[str, Any], None]
+) -> None:
+    """C40: hundreds of SIGKILLs across the view and its commit; every key ends with one row.
+
+    A killed worker's open transaction dies with its connection, taking the
+    payment and the completion with it; the next request takes the lapsed lease
+    over and runs the view again. Exactly one execution per key commits, and
+    the stored response names the payment that exists.
+    """
+    started = time.monotonic()
+    result, keys = kill_and_settle(harness, atomic=True)
+    found = audit(harness, keys)
+
+    for index, key in enumerate(keys):
+        rows = found.rows_by_key.get(key, [])
+        assert len(rows) == 1, f"{key} has {len(rows)} payment rows"
+        stored = found.stored[key]
+        assert stored is not None
+        assert stored["payment_id"] == rows[0].id
+        assert stored["amount"] == rows[0].amount == body_for(key, index)["amount"]
+    assert set(found.rows_by_key) == set(keys)
+    executions = harness.attempt_count()
+    assert executions > len(keys)  # views did run and die: their writes are not in the table
+
+    summary = {
+        "keys": len(keys),
+        "kills": len(result.kills),
+        "phases": dict(result.phases),
+        "view_executions": executions,
+        "keys_with_duplicates": len(found.keys_with_duplicates),
+        "total_rows": found.total_rows,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    record_property("c40_atomic", summary)
+    print("C40 atomic:", json.dumps(summary))
+
+
+def test_c40_without_atomic_mode_the_same_kills_leave_duplicates(
+    harness: AtomicHarness, record_property: Callable[[str, Any], None]
+) -> None:
+    """The control: the same kills against a view that commits its own writes.
+
+    A kill after the view's commit and before the record completes leaves a
+    payment and a lapsing claim; the retry pays again. How many keys that hits
+    depends on where the kills land, so it is recorded, not asserted. What
+    still holds: every key completes, has at least one row, and its stored
+    response names one of its rows.
+    """
+    started = time.monotonic()
+    result, keys = kill_and_settle(harness, atomic=False)
+    found = audit(harness, keys)
+
+    for index, key in enumerate(keys):
+        rows = found.rows_by_key.get(key, [])
+        assert len(rows) >= 1
+        stored = found.stored[key]
+        assert stored is not None
+        assert stored["payment_id"] in {row.id for row in rows}
+        assert stored["amount"] == body_for(key, index)["amount"]
+
+    summary = {
+        "keys": len(keys),
+        "kills": len(result.kills),
+        "phases": dict(result.phases),
+        "view_executions": harness.attempt_count(),
+        "keys_with_duplicates": len(found.keys_with_duplicates),
+        "total_rows": found.total_rows,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    record_property("c40_plain", summary)
+    print("C40 without atomic mode:", json.dumps(summary))
+
+
+# -- a lost lease -----------------------------------------------------------------------------
+
+
+def test_c40_lost_lease_rolls_back_the_late_owners_writes(
+    harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp]
+) -> None:
+    """C40/X8: the original outlives its lease, a retry takes over and completes.
+
+    The original's fenced completion then matches no row: its payment is rolled
+    back and its client gets 409 problem+json; the taker's payment is the only
+    row, and later retries replay the taker's response.
+    """
+    payments = make_payments_app(lease=1.0, wait=0.0)
+    key, body = "c40-lost-lease", {"amount": 700}
+    holding, release_original = threading.Event(), threading.Event()
+    lost: list[dict[str, Any]] = []
+
+    def hold_the_original(held_key: str, phase: str) -> None:
+        if held_key == key and phase == "written" and not holding.is_set():
+            holding.set()  # the original's payment is flushed, not committed
+            assert release_original.wait(60)
+
+    payments.on_phase = hold_the_original
+    signals.lease_lost.connect(lambda sender, **extra: lost.append(extra), payments.app, weak=False)
+    original: dict[str, Any] = {}
+
+    def send_original() -> None:
+        response = payments.app.test_client().post("/payments", json=body, headers={"Idempotency-Key": key})
+        original["response"] = response
+
+    thread = threading.Thread(target=send_original)
+    thread.start()
+    try:
+        assert holding.wait(30)
+        wait_until(lambda: not harness.record(key).lease_live, 30, "the original's lease to lapse")  # type: ignore[union-attr]
+        taker = payments.app.test_client().post("/payments", json=body, headers={"Idempotency-Key": key})
+    finally:
+        release_original.set()
+        thread.join(timeout=60)
+
+    assert taker.status_code == 201 and "Idempotent-Replayed" not in taker.headers
+    late = original["response"]
+    assert late.status_code == 409
+    assert late.headers["Content-Type"] == "application/problem+json"
+    assert late.get_json()["code"] == "request-in-progress"
+    assert [extra["action"] for extra in lost] == ["complete"]
+
+    rows = harness.payments_by_key()[key]
+    assert [row.id for row in rows] == [taker.get_json()["payment_id"]]
+    assert harness.attempt_count() == 2  # both ran; only the taker's write survived
+    for _ in range(2):
+        again = payments.app.test_client().post("/payments", json=body, headers={"Idempotency-Key": key})
+        assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+        assert again.data == taker.data
+
+
+# -- exits that store nothing ---------------------------------------------------------------
+
+
+def add_failing_views(payments: AtomicApp) -> None:
+    """Views that write a payment and then fail in one of three ways, unless ``X-Succeed``."""
+    app, db, payment_model = payments.app, payments.db, payments.payment_model
+
+    def write(key: str) -> Any:
+        payment = payment_model(idem_key=key, amount=int(request.json["amount"]), pid=0)  # type: ignore[index]
+        db.session.add(payment)
+        db.session.flush()
+        payments.start_attempt(key)
+        return payment
+
+    def succeeded(payment: Any) -> Any:
+        return jsonify(payment_id=payment.id), 201
+
+    @app.post("/raises")
+    @idempotent(atomic=True)
+    def raises():  # type: ignore[no-untyped-def]
+        payment = write(request.headers["Idempotency-Key"])
+        if request.headers.get("X-Succeed"):
+            return succeeded(payment)
+        raise RuntimeError("the gateway rejected the payment after the row was written")
+
+    @app.post("/fails")
+    @idempotent(atomic=True)
+    def fails():  # type: ignore[no-untyped-def]
+        payment = write(request.headers["Idempotency-Key"])
+        if request.headers.get("X-Succeed"):
+            return succeeded(payment)
+        return jsonify(error="downstream unavailable"), 500
+
+    @app.post("/declines")
+    @idempotent(atomic=True)
+    def declines():  # type: ignore[no-untyped-def]
+        payment = write(request.headers["Idempotency-Key"])
+        if request.headers.get("X-Succeed"):
+            return succeeded(payment)
+        assert release_claim()
+        return jsonify(error="card declined, fix it and retry"), 422
+
+
+@pytest.mark.parametrize("route", ["/raises", "/fails", "/declines"])
+def test_c40_exception_and_release_roll_back(
+    harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp], route: str
+) -> None:
+    """C40 with C17/C19: an exception, a 500 or release_claim() keeps neither the row nor the record.
+
+    The key is free again: a retry runs the view, and when it succeeds its row
+    and its record are committed together.
+    """
+    payments = make_payments_app()
+    add_failing_views(payments)
+    client = payments.app.test_client()
+    key, body = f"c40-exit{route.replace('/', '-')}", {"amount": 31}
+
+    if route == "/raises":
+        with pytest.raises(RuntimeError, match="gateway rejected"):
+            client.post(route, json=body, headers={"Idempotency-Key": key})
+    else:
+        failed = client.post(route, json=body, headers={"Idempotency-Key": key})
+        assert failed.status_code == {"/fails": 500, "/declines": 422}[route]
+    assert harness.payments_by_key().get(key, []) == []
+    assert harness.record(key) is None
+    assert harness.attempt_count() == 1
+
+    retried = client.post(route, json=body, headers={"Idempotency-Key": key, "X-Succeed": "1"})
+    assert retried.status_code == 201 and "Idempotent-Replayed" not in retried.headers
+    assert harness.attempt_count() == 2  # the view ran again
+    rows = harness.payments_by_key()[key]
+    assert [row.id for row in rows] == [retried.get_json()["payment_id"]]
+    record = harness.record(key)
+    assert record is not None and record.state == "completed"
+
+
+def test_c40_unflushed_writes_commit_with_the_record(
+    harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp]
+) -> None:
+    """C40: a view that only adds (never flushes) still has its row committed with the record."""
+    payments = make_payments_app()
+    db, payment_model = payments.db, payments.payment_model
+
+    @payments.app.post("/lazy")
+    @idempotent(atomic=True)
+    def lazy():  # type: ignore[no-untyped-def]
+        db.session.add(payment_model(idem_key="c40-lazy", amount=5, pid=0))
+        return jsonify(ok=True), 201
+
+    response = payments.app.test_client().post("/lazy", json={}, headers={"Idempotency-Key": "c40-lazy"})
+    assert response.status_code == 201
+    assert len(harness.payments_by_key()["c40-lazy"]) == 1
+    record = harness.record("c40-lazy")
+    assert record is not None and record.state == "completed"
+
+
+def test_c40_failed_commit_keeps_nothing_and_answers_503(
+    harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp]
+) -> None:
+    """C40: when the one commit fails (here a NOT NULL violation the view never flushed),
+    neither the row nor the completion survives, the claim is released and the client gets
+    503 problem+json; the key is free for a retry."""
+    payments = make_payments_app()
+    db, payment_model = payments.db, payments.payment_model
+
+    @payments.app.post("/broken")
+    @idempotent(atomic=True)
+    def broken():  # type: ignore[no-untyped-def]
+        amount = request.json.get("amount")  # type: ignore[union-attr]
+        db.session.add(payment_model(idem_key="c40-broken", amount=amount, pid=0))
+        return jsonify(ok=True), 201
+
+    client = payments.app.test_client()
+    failed = client.post("/broken", json={"amount": None}, headers={"Idempotency-Key": "c40-broken"})
+    assert failed.status_code == 503
+    assert failed.headers["Content-Type"] == "application/problem+json"
+    assert failed.get_json()["code"] == "store-unavailable"
+    assert harness.payments_by_key().get("c40-broken", []) == []
+    assert harness.record("c40-broken") is None
+
+
+# -- a view that commits by itself -----------------------------------------------------------
+
+
+def add_committing_view(payments: AtomicApp) -> None:
+    db, payment_model = payments.db, payments.payment_model
+
+    @payments.app.post("/commits")
+    @idempotent(atomic=True)
+    def commits():  # type: ignore[no-untyped-def]
+        payments.start_attempt("c40-commits")
+        payment = payment_model(idem_key="c40-commits", amount=9, pid=0)
+        db.session.add(payment)
+        db.session.flush()
+        db.session.commit()  # wrong in atomic mode: the extension owns the commit
+        return jsonify(payment_id=payment.id), 201
+
+
+def test_c40_view_commit_is_refused_in_testing(
+    harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp]
+) -> None:
+    """C40: under TESTING (or DEBUG) db.session.commit() in an atomic view raises ViewCommitted.
+
+    The commit never happens: the exception leaves the view, the flushed row is
+    rolled back, the claim is released (C17), so nothing is stored and a retry
+    runs the view again, and fails the same way until the view is fixed.
+    """
+    payments = make_payments_app()
+    add_committing_view(payments)
+    client = payments.app.test_client()
+    for attempt in (1, 2):
+        with pytest.raises(ViewCommitted, match="flush instead of committing"):
+            client.post("/commits", json={}, headers={"Idempotency-Key": "c40-commits"})
+        assert harness.payments_by_key().get("c40-commits", []) == []
+        assert harness.record("c40-commits") is None
+        assert harness.attempt_count() == attempt
+
+
+def test_c40_view_commit_in_production_warns_and_loses_the_guarantee(
+    harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp], caplog: pytest.LogCaptureFixture
+) -> None:
+    """C40, documented limit: outside TESTING/DEBUG the view's own commit goes ahead with a warning.
+
+    The row is committed by the view, the record by the extension afterwards in
+    a transaction of its own: the request still succeeds and replays, but a
+    crash between the two commits could now duplicate the payment.
+    """
+    payments = make_payments_app(config={"TESTING": False, "DEBUG": False})
+    add_committing_view(payments)
+    client = payments.app.test_client()
+    with caplog.at_level(logging.WARNING, logger="flask_idempotency"):
+        first = client.post("/commits", json={}, headers={"Idempotency-Key": "c40-commits"})
+    assert first.status_code == 201
+    assert any("called db.session.commit()" in r.getMessage() for r in caplog.records)
+    rows = harness.payments_by_key()["c40-commits"]
+    assert [row.id for row in rows] == [first.get_json()["payment_id"]]
+    replay = client.post("/commits", json={}, headers={"Idempotency-Key": "c40-commits"})
+    assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.data == first.data
