@@ -35,10 +35,12 @@ def capture(response: Response, settings: Settings) -> StoredResponse:
         if len(body) > limit:
             return StoredResponse(response.status_code, headers, b"", body_omitted=True)
         return StoredResponse(response.status_code, headers, body)
+    source = response.response
     chunks, complete = _buffer(response, limit)
     if complete:
         body = b"".join(chunks)
         response.set_data(body)
+        _close(source)  # the buffered copy replaces it; nobody else will close a file now
         return StoredResponse(response.status_code, headers, body)
     return StoredResponse(response.status_code, headers, b"", body_omitted=True)
 
@@ -53,14 +55,24 @@ def _buffer(response: Response, limit: int) -> tuple[list[bytes], bool]:
     iterator = iter(response.iter_encoded())
     chunks: list[bytes] = []
     size = 0
-    for chunk in iterator:
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            response.response = _Resumed(chunks, iterator, source)
-            response.direct_passthrough = False
-            return chunks, False
+    try:
+        for chunk in iterator:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                response.response = _Resumed(chunks, iterator, source)
+                response.direct_passthrough = False
+                return chunks, False
+    except BaseException:
+        _close(source)  # the stream failed: the error response replaces this one
+        raise
     return chunks, True
+
+
+def _close(source: Any) -> None:
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()
 
 
 class _Resumed:
@@ -76,9 +88,7 @@ class _Resumed:
         yield from self._rest
 
     def close(self) -> None:
-        close = getattr(self._source, "close", None)
-        if close is not None:
-            close()
+        _close(self._source)
 
 
 def replay(completed: Completed, settings: Settings) -> Response:
