@@ -22,7 +22,7 @@ NO_POLLING = 3600.0
 
 
 def create_app() -> Flask:
-    lifecycle.PollSchedule = lambda cap: PollSchedule(first=NO_POLLING, cap=NO_POLLING)  # type: ignore[assignment,misc]
+    lifecycle.PollSchedule = lambda *_, **__: PollSchedule(first=NO_POLLING, cap=NO_POLLING)  # type: ignore[assignment,misc]
     app = create_procapp()
 
     @signals.request_waited.connect_via(app)
