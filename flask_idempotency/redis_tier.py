@@ -280,9 +280,14 @@ class RedisTier:
 
 def _client_from_url(url: str, *, socket_timeout: float, connect_timeout: float) -> Any:
     """A client that fails fast: short timeouts and no retries (the back-off is ours)."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
+    try:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+    except ImportError:
+        raise RuntimeError(
+            "IDEMPOTENCY_REDIS_URL needs the redis package: pip install 'Flask-Idempotency[redis]'"
+        ) from None
 
     return redis.Redis.from_url(
         url,
