@@ -506,6 +506,39 @@ def test_c10_duplicate_with_wait_gets_the_replay(app_calls) -> None:
     assert calls == ["slow"]
 
 
+def test_c11_wait_that_runs_out_is_409(app_calls) -> None:
+    app, _, calls = app_calls
+    waited = []
+    signals.request_waited.connect(lambda sender, **kw: waited.append(kw), app, weak=False)
+    entered, release, _ = blocking_view(app, calls, wait=0.2)
+    original = Background(app, "/slow", json={}, headers=KEY)
+    try:
+        assert entered.wait(PARK_LIMIT)
+        late = app.test_client().post("/slow", json={}, headers=KEY)
+        assert_problem(late, 409, "request-in-progress")
+        assert int(late.headers["Retry-After"]) >= 1
+        assert [w["outcome"] for w in waited] == ["record"]
+        assert waited[0]["waited"] > 0
+    finally:
+        release.set()
+    assert original.result().status_code == 201
+
+
+def test_c11_too_many_parked_requests_answer_409_at_once(make_app) -> None:
+    app, _ = make_app({"IDEMPOTENCY_WAIT": PARK_LIMIT, "IDEMPOTENCY_MAX_WAITERS": 0})
+    calls: list[str] = []
+    entered, release, _ = blocking_view(app, calls)
+    original = Background(app, "/slow", json={}, headers=KEY)
+    try:
+        assert entered.wait(PARK_LIMIT)
+        response = app.test_client().post("/slow", json={}, headers=KEY)
+        assert_problem(response, 409, "request-in-progress")
+        assert states(app) == ["in_progress"], "answered while the original still runs"
+    finally:
+        release.set()
+    assert original.result().status_code == 201
+
+
 def test_c12_release_while_waiters_park_lets_exactly_one_rerun(app_calls) -> None:
     app, _, calls = app_calls
     entered, release, first_status = blocking_view(app, calls, wait=PARK_LIMIT)
@@ -1093,6 +1126,34 @@ def test_c27_store_unavailable_is_503_problem(tmp_path) -> None:
     assert_problem(response, 503, "store-unavailable")
     assert int(response.headers["Retry-After"]) >= 1
     assert calls == []
+    app.extensions["idempotency"].store.engine.dispose()
+
+
+def test_c25_fail_open_runs_unprotected_and_says_so(tmp_path) -> None:
+    app = Flask("down_open", instance_path=str(tmp_path / "inst"))
+    app.config["IDEMPOTENCY_DATABASE_URI"] = f"sqlite:///{tmp_path}/missing/dir/db.sqlite3"
+    app.config["IDEMPOTENCY_FAIL_OPEN"] = True
+    Idempotency(app)
+    calls: list[str] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        calls.append("pay")
+        return "paid", 201
+
+    @app.post("/unprotected")
+    def unprotected():
+        return "ok"
+
+    client = app.test_client()
+    for _ in range(2):
+        response = client.post("/pay", headers=KEY)
+        assert response.status_code == 201
+        assert response.headers.get("Idempotency-Unprotected") == "store-unavailable"
+    assert calls == ["pay", "pay"]
+    untouched = client.post("/unprotected", headers=KEY)
+    assert "Idempotency-Unprotected" not in untouched.headers
     app.extensions["idempotency"].store.engine.dispose()
 
 
