@@ -27,9 +27,20 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# The fault-injection suite alone: gunicorn workers SIGKILLed, Redis and PostgreSQL cut
+# off behind loopback proxies (tests/chaos/); `make test` runs it too.
+chaos: install
+	$(PY) -m pytest -m chaos -p no:randomly -q -s $(PYTEST_ARGS)
+
 lint: install
 	$(VENV)/bin/ruff check flask_idempotency tests example
 	$(VENV)/bin/mypy
+
+# Latency, wake-up and throughput figures against PostgreSQL and Redis, with idemkit side by
+# side: bench/results/RESULTS.md and latency.png. Needs wrk for the throughput part.
+bench: install
+	$(PY) -c "import matplotlib, idemkit, asyncpg" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

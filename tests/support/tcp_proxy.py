@@ -1,8 +1,9 @@
 """A loopback TCP proxy a test can cut: the database "goes away" without stopping it.
 
 ``cut()`` closes every open connection and refuses new ones, which is what an
-application sees when its database host drops off the network; ``restore()``
-lets traffic through again.
+application sees when its database host drops off the network; ``stall()`` keeps
+every connection open but forwards nothing (a half-open peer: only a timeout can
+tell); ``restore()`` lets traffic through again.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import selectors
 import socket
 import threading
+import time
 from typing import Any
 
 from .gunicorn import free_port
@@ -24,6 +26,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._open = threading.Event()
         self._stopped = threading.Event()
+        self._stalled = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> TcpProxy:
@@ -67,6 +70,9 @@ class TcpProxy:
         selector.register(upstream, selectors.EVENT_READ, client)
         try:
             while not self._stopped.is_set() and self._open.is_set():
+                if self._stalled.is_set():
+                    time.sleep(0.05)  # bytes wait in the kernel buffers, unread
+                    continue
                 for key, _ in selector.select(timeout=0.2):
                     source: Any = key.fileobj
                     data = source.recv(65536)
@@ -96,7 +102,12 @@ class TcpProxy:
             connections = list(self._connections)
         self._close_pair(*connections)
 
+    def stall(self) -> None:
+        """Keep connections (and accept new ones) but forward nothing until :meth:`restore`."""
+        self._stalled.set()
+
     def restore(self) -> None:
+        self._stalled.clear()
         self._open.set()
 
     def stop(self) -> None:

@@ -1,0 +1,1 @@
+"""The chaos suite: real workers, real SIGKILL, real network faults (make chaos)."""

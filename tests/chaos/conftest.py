@@ -1,0 +1,232 @@
+"""The chaos rig: gunicorn, a private redis-server, and proxies that break the network.
+
+Every scenario gets a fresh rig: its own tables, its own redis-server, a proxy in
+front of PostgreSQL and one in front of Redis (both on loopback), and gunicorn
+workers that reach the store and Redis only through those proxies. The ledger
+(claims and runs, see chaosapp.py) is written directly, so faults never hide an
+execution. Everything is stopped by pid at the end, also when the test fails.
+
+Each scenario reports one row (requests, executions, replays, 409s, 422s, 503s,
+5xx...) to a session collector, printed as a table at the end of the run.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+import requests
+from sqlalchemy import MetaData, func, select
+from sqlalchemy.engine import URL
+
+from flask_idempotency.extension import create_store_engine
+from flask_idempotency.store import DurableStore
+from tests.chaos.chaosapp import ledger_tables
+from tests.conftest import redis_server_binary
+from tests.support.gunicorn import GunicornServer
+from tests.support.redis_server import RedisServer
+from tests.support.tcp_proxy import TcpProxy
+
+#: Seconds any "eventually" may take on a loaded 2-core machine.
+EVENTUALLY = 60.0
+SUMMARY_COLUMNS = (
+    "requests", "executions", "originals", "replays", "409", "422", "503", "5xx",
+    "no answer", "kills",
+)
+
+_summary_rows: list[tuple[str, dict[str, int]]] = []
+
+
+# -- answers -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """What one HTTP attempt got: a status, or ``None`` when no answer came (timeout, reset)."""
+
+    key: str
+    status: int | None
+    replayed: bool = False
+    run: int | None = None
+    code: str | None = None
+    error: str | None = None
+
+    @property
+    def original(self) -> bool:
+        return self.status == 201 and not self.replayed
+
+
+def send(url: str, key: str, body: Any, *, timeout: float = 30.0, sleep: float | None = None) -> Answer:
+    """One POST; a timeout or a dropped connection becomes an :class:`Answer` without a status."""
+    headers = {"Idempotency-Key": key}
+    if sleep is not None:
+        headers["X-Sleep"] = str(sleep)
+    try:
+        response = requests.post(f"{url}/work/item", json=body, headers=headers, timeout=timeout)
+    except requests.RequestException as exc:
+        return Answer(key, None, error=type(exc).__name__)
+    run = code = None
+    if response.headers.get("Content-Type", "").startswith("application/problem+json"):
+        code = response.json().get("code")
+    elif response.status_code == 201:
+        run = response.json()["run"]
+    return Answer(
+        key,
+        response.status_code,
+        replayed=response.headers.get("Idempotent-Replayed") == "true",
+        run=run,
+        code=code,
+    )
+
+
+class AnswerLog:
+    """Every answer of a scenario, from many client threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.answers: list[Answer] = []
+
+    def add(self, answer: Answer) -> Answer:
+        with self._lock:
+            self.answers.append(answer)
+        return answer
+
+    def of(self, key: str) -> list[Answer]:
+        return [a for a in self.answers if a.key == key]
+
+    def statuses(self) -> collections.Counter[int | None]:
+        return collections.Counter(a.status for a in self.answers)
+
+
+# -- the rig --------------------------------------------------------------------------
+
+
+class ChaosRig:
+    """Tables, a private Redis, two proxies and gunicorn servers for one scenario."""
+
+    def __init__(self, pg_url: URL, redis_binary: str, directory: Any) -> None:
+        self.table = f"chaos_{uuid.uuid4().hex[:10]}"
+        self.direct_url = pg_url.render_as_string(hide_password=False)
+        self.engine = create_store_engine(self.direct_url)
+        self.store = DurableStore(lambda: self.engine, table_name=self.table)
+        self.store.create_table()
+        self.claims, self.runs = ledger_tables(MetaData(), self.table)
+        self.claims.create(self.engine)
+        self.runs.create(self.engine)
+        self.redis = RedisServer(redis_binary, directory / "redis").start()
+        self.pg_proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
+        self.redis_proxy = TcpProxy("127.0.0.1", self.redis.port).start()
+        self.proxied_pg_url = pg_url.set(host="127.0.0.1", port=self.pg_proxy.port).render_as_string(
+            hide_password=False
+        )
+        self.servers: list[GunicornServer] = []
+        self.inspector = redis.Redis(port=self.redis.port, socket_timeout=10)
+
+    def serve(self, *, workers: int = 3, threads: int = 6, **settings: Any) -> GunicornServer:
+        env = {
+            "DATABASE_URL": self.proxied_pg_url,
+            "LEDGER_URL": self.direct_url,
+            "IDEM_TABLE": self.table,
+            "REDIS_URL": f"redis://127.0.0.1:{self.redis_proxy.port}/0",
+        }
+        env.update({key: str(value) for key, value in settings.items()})
+        server = GunicornServer(
+            "tests.chaos.chaosapp:create_app()", env=env, workers=workers, threads=threads, timeout=120
+        )
+        self.servers.append(server)
+        return server.start(ready_within=EVENTUALLY)
+
+    def runs_by_key(self) -> dict[str, list[Any]]:
+        """Every execution, oldest first, grouped by key."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(self.runs).order_by(self.runs.c.id)).all()
+        grouped: dict[str, list[Any]] = collections.defaultdict(list)
+        for row in rows:
+            grouped[row.idem_key].append(row)
+        return grouped
+
+    def claims_by_key(self) -> collections.Counter[str]:
+        t = self.claims
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(t.c.idem_key, func.count()).group_by(t.c.idem_key)).all()
+        return collections.Counter({key: int(count) for key, count in rows})
+
+    def total_runs(self) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(self.runs)).scalar_one())
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.stop()
+        self.pg_proxy.stop()
+        self.redis_proxy.stop()
+        self.inspector.close()
+        self.redis.stop()
+        for table in (self.runs, self.claims, self.store.table):
+            table.drop(self.engine, checkfirst=True)
+        self.engine.dispose()
+
+
+@pytest.fixture
+def rig(pg_url: URL, tmp_path: Any) -> Iterator[ChaosRig]:
+    built = ChaosRig(pg_url, redis_server_binary(), tmp_path)
+    try:
+        yield built
+    finally:
+        built.close()
+
+
+# -- the summary ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def chaos_summary() -> Callable[..., None]:
+    """``chaos_summary(name, answers, executions=..., kills=...)`` adds a row to the final table."""
+
+    def report(name: str, log: AnswerLog, *, executions: int, kills: int = 0) -> None:
+        answers = log.answers
+        _summary_rows.append(
+            (
+                name,
+                {
+                    "requests": len(answers),
+                    "executions": executions,
+                    "originals": sum(a.original for a in answers),
+                    "replays": sum(a.status == 201 and a.replayed for a in answers),
+                    "409": sum(a.status == 409 for a in answers),
+                    "422": sum(a.status == 422 for a in answers),
+                    "503": sum(a.status == 503 for a in answers),
+                    "5xx": sum(a.status is not None and a.status >= 500 and a.status != 503 for a in answers),
+                    "no answer": sum(a.status is None for a in answers),
+                    "kills": kills,
+                },
+            )
+        )
+
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _summary_rows:
+        return
+    width = max(len(name) for name, _ in _summary_rows)
+    terminalreporter.section("chaos summary")
+    header = "scenario".ljust(width) + "".join(f"{c:>11}" for c in SUMMARY_COLUMNS)
+    terminalreporter.write_line(header)
+    for name, row in _summary_rows:
+        terminalreporter.write_line(name.ljust(width) + "".join(f"{row[c]:>11}" for c in SUMMARY_COLUMNS))
+
+
+def wait_until(condition: Callable[[], bool], what: str, within: float = EVENTUALLY) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
