@@ -374,3 +374,27 @@ def test_required_endpoint_with_garbage_stores_nothing(app_calls) -> None:
         app, client.post("/required", headers={"Idempotency-Key": "\u00ff"}), "invalid-key"
     )
     assert calls == []
+
+
+@pytest.mark.parametrize("value", ['"broken', "a b", "k" * 10_000, ""])
+def test_c1_invalid_key_on_an_ignored_method_or_view_is_ignored(make_app, value: str) -> None:
+    """C1 before C3: a key the layer does not apply to is not even parsed."""
+    app, _ = make_app({"TESTING": False})
+    calls: list[str] = []
+
+    @app.route("/thing", methods=["GET", "POST"])
+    @idempotent
+    def thing():
+        calls.append(request.method)
+        return "ok"
+
+    @app.post("/plain")
+    def plain():
+        calls.append("plain")
+        return "ok"
+
+    client = app.test_client()
+    assert client.get("/thing", headers={"Idempotency-Key": value}).status_code == 200
+    assert client.post("/plain", headers={"Idempotency-Key": value}).status_code == 200
+    assert calls == ["GET", "plain"]
+    assert row_count(app) == 0
