@@ -229,12 +229,13 @@ def test_c10_x15_after_a_restart_wakeups_come_back_by_message(
     assert waiter.tier.ensure_listening(waiter.state.wakeups) or subscriber.wait_until_live(
         EVENTUALLY
     )
+    subscribed_before = subscriber.subscriptions
     redis_server.kill()
     wait_for(lambda: not subscriber.live, "the listener to notice Redis is gone")
     assert post(owner, "during-the-outage").status_code == 201  # degraded, still correct
     redis_server.restart()
     assert subscriber.wait_until_live(EVENTUALLY)
-    assert subscriber.subscriptions == 2
+    assert subscriber.subscriptions > subscribed_before
     wait_for(owner.tier.ping, "the owner's tier to end its outage back-off")
 
     messages_before = subscriber.messages
