@@ -135,9 +135,13 @@ def create_app(config: dict[str, Any] | None = None, *, instance_path: str | Non
 
 
 @api.post("/payments")
-@idempotent(required=True)
+@idempotent(required=True, atomic=True)
 def create_payment() -> tuple[Response, int, dict[str, str]] | Response:
-    """Charge once per key: validate, call the (simulated) gateway, record the payment."""
+    """Charge once per key: validate, call the (simulated) gateway, record the payment.
+
+    ``atomic=True``: the view only flushes; the extension commits the payment row
+    together with the stored response, so a crash leaves both or neither (C40).
+    """
     charge = parse_charge(request.get_json(silent=True))
     if isinstance(charge, list):
         # Nothing happened yet: give the key back so the client can fix the body and
@@ -158,7 +162,7 @@ def create_payment() -> tuple[Response, int, dict[str, str]] | Response:
         status="succeeded",
     )
     db.session.add(payment)
-    db.session.commit()
+    db.session.flush()  # assigns the id; the extension commits (atomic mode)
     location = url_for("payments.get_payment", payment_id=payment.id)
     return jsonify(payment.to_json()), 201, {"Location": location}
 

@@ -280,6 +280,57 @@ def test_concurrent_duplicate_waits_for_the_charge_and_gets_the_replay(
             db.engine.dispose()
 
 
+def test_overrun_charge_is_rolled_back_and_the_taker_s_payment_stands(
+    clean_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """C13, C14, C40: a charge that outlives its lease loses it; its payment row is rolled back.
+
+    The first request stalls in the gateway past its (tiny) lease; a retry takes
+    the key over and completes. When the first one resumes, its fenced completion
+    matches nothing, so its own payment row is rolled back with it (atomic mode)
+    and its client gets 409: exactly one payment, and retries replay the taker's.
+    """
+    app = next(_build({"IDEMPOTENCY_LEASE": 0.05, "IDEMPOTENCY_WAIT": 60}, tmp_path / "inst"))
+    stalled = threading.Event()
+    taker_finished = threading.Event()
+    gateway_calls: list[str] = []
+
+    def gateway(amount_cents: int, currency: str) -> None:
+        gateway_calls.append(threading.current_thread().name)
+        if len(gateway_calls) == 1:  # the first charge hangs until the taker is done
+            stalled.set()
+            assert taker_finished.wait(60), "the taker never finished"
+
+    monkeypatch.setattr(payments_app, "charge_gateway", gateway)
+    responses: dict[str, Any] = {}
+
+    def send_original() -> None:
+        responses["original"] = app.test_client().post("/payments", json=CHARGE, headers=_headers())
+
+    original = threading.Thread(target=send_original, name="original")
+    try:
+        original.start()
+        assert stalled.wait(60)
+        taker = app.test_client().post("/payments", json=CHARGE, headers=_headers())
+        taker_finished.set()
+        original.join(60)
+
+        assert taker.status_code == 201
+        assert "Idempotent-Replayed" not in taker.headers
+        assert responses["original"].status_code == 409
+        assert responses["original"].get_json()["code"] == "request-in-progress"
+        assert len(gateway_calls) == 2
+        assert _payment_count(app) == 1  # the overrun's row was rolled back with its completion
+        retry = app.test_client().post("/payments", json=CHARGE, headers=_headers())
+        assert retry.headers["Idempotent-Replayed"] == "true"
+        assert retry.get_data() == taker.get_data()
+    finally:
+        taker_finished.set()
+        original.join(60)
+        with app.app_context():
+            db.engine.dispose()
+
+
 def test_environment_selects_database_redis_and_latency(
     clean_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
