@@ -83,6 +83,9 @@ def test_c29_upgrade_on_an_empty_database_creates_a_table_check_accepts(
     assert before.returncode == 1
     # With db= the table belongs in the app's migrations, and the help says so.
     assert "flask db upgrade" in before.stderr and "Traceback" not in before.stderr
+    refused = flask(empty_pg_database, "idempotency", "create-table")
+    assert refused.returncode == 1 and "belongs in its migrations" in refused.stderr
+    assert tables(empty_pg_database) == set()  # nothing created outside the migrations
 
     upgraded = flask(empty_pg_database, "db", "upgrade")
     assert upgraded.returncode == 0, upgraded.stderr
