@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import inspect
 from sqlalchemy.engine import URL
 
@@ -169,6 +171,50 @@ def test_a_body_that_is_not_json_is_a_400_problem(app: Flask, client: FlaskClien
     assert rejected.status_code == 400
     assert rejected.get_json()["code"] == "invalid-payment"
     assert client.post("/payments", json=CHARGE, headers=_headers()).status_code == 201
+
+
+def test_a_body_over_the_limit_is_a_413_problem(app: Flask, client: FlaskClient) -> None:
+    """C31: Flask's own size limit applies, and it answers as problem+json, not a 500."""
+    response = client.post(
+        "/payments",
+        data=b'{"description": "' + b"x" * 70_000 + b'"}',
+        headers={**_headers(), "Content-Type": "application/json"},
+    )
+    assert response.status_code == 413
+    assert response.mimetype == "application/problem+json"
+    assert _payment_count(app) == 0
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=12,
+)
+CHARGE_LIKE = st.fixed_dictionaries(
+    {},
+    optional={
+        "amount_cents": JSON_VALUES,
+        "currency": JSON_VALUES | st.text(min_size=3, max_size=3),
+        "description": JSON_VALUES,
+    },
+)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(body=CHARGE_LIKE | JSON_VALUES)
+def test_no_body_ever_gets_a_server_error(app: Flask, client: FlaskClient, body: Any) -> None:
+    """Bad input gets a 4xx problem, never a 500; only a valid charge creates a payment."""
+    key = uuid.uuid4().hex
+    response = client.post("/payments", json=body, headers=_headers(key))
+    assert response.status_code in (201, 400), response.get_data()
+    if response.status_code == 400:
+        assert response.mimetype == "application/problem+json"
+        assert response.get_json()["code"] == "invalid-payment"
 
 
 def test_missing_key_is_400_missing_key(app: Flask, client: FlaskClient) -> None:
