@@ -624,3 +624,40 @@ def test_c28_missing_table_says_how_to_create_it(pg_app: Flask) -> None:
     assert runner.invoke(args=["idempotency", "check"]).exit_code == 0
     again = runner.invoke(args=["idempotency", "create-table"])
     assert again.exit_code == 0 and "already exists" in again.output
+
+
+def test_c28_forget_drops_the_redis_copy_too(make_pg_app: Any) -> None:
+    """Forgotten means forgotten: a copy left in Redis would keep replaying (C22)."""
+    import redis
+
+    from .conftest import REDIS_URL, service_missing
+
+    probe = redis.Redis.from_url(REDIS_URL, socket_timeout=1, socket_connect_timeout=1)
+    try:
+        probe.ping()
+    except redis.RedisError as exc:
+        service_missing("Redis", str(exc))
+    prefix = f"test-cli-{uuid.uuid4().hex[:8]}"
+    app, _ = make_pg_app({"IDEMPOTENCY_REDIS_URL": REDIS_URL, "IDEMPOTENCY_REDIS_PREFIX": prefix})
+    calls: list[int] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        calls.append(1)
+        return jsonify(n=len(calls)), 201
+
+    try:
+        client = app.test_client()
+        headers = {"Idempotency-Key": "cached-1"}
+        client.post("/pay", json={}, headers=headers)
+        assert list(probe.scan_iter(match=f"{prefix}*"))  # promoted to Redis
+        forgot = app.test_cli_runner().invoke(args=["idempotency", "forget", "cached-1", "--yes"])
+        assert forgot.exit_code == 0, forgot.output
+        again = client.post("/pay", json={}, headers=headers)
+        assert "Idempotent-Replayed" not in again.headers
+        assert len(calls) == 2
+    finally:
+        for name in probe.scan_iter(match=f"{prefix}*"):
+            probe.delete(name)
+        probe.close()
