@@ -241,7 +241,7 @@ def add_failing_views(payments: AtomicApp) -> None:
     app, db, payment_model = payments.app, payments.db, payments.payment_model
 
     def write(key: str) -> Any:
-        payment = payment_model(idem_key=key, amount=int(request.json["amount"]), pid=0)  # type: ignore[index]
+        payment = payment_model(idem_key=key, amount=int(request.json["amount"]), pid=0)
         db.session.add(payment)
         db.session.flush()
         payments.start_attempt(key)
@@ -341,7 +341,7 @@ def test_c40_failed_commit_keeps_nothing_and_answers_503(
     @payments.app.post("/broken")
     @idempotent(atomic=True)
     def broken():  # type: ignore[no-untyped-def]
-        amount = request.json.get("amount")  # type: ignore[union-attr]
+        amount = request.json.get("amount")
         db.session.add(payment_model(idem_key="c40-broken", amount=amount, pid=0))
         return jsonify(ok=True), 201
 
