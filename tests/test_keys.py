@@ -387,3 +387,21 @@ def test_c4_strict_mode_bare_key_is_missing_when_required(make_app) -> None:
     quoted = client.post("/pay", headers={"Idempotency-Key": f'"{UUID}"'})
     assert quoted.status_code == 200
     assert calls == [1]
+
+
+def test_c2_configured_header_name(make_app) -> None:
+    app, _ = make_app({"IDEMPOTENCY_HEADER": "X-Request-Key", "IDEMPOTENCY_WAIT": 0})
+    calls: list[int] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        calls.append(1)
+        return "ok", 201
+
+    client = app.test_client()
+    client.post("/pay", headers={"X-Request-Key": "k"})
+    again = client.post("/pay", headers={"x-request-key": '"k"'})
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    client.post("/pay", headers={"Idempotency-Key": "k"})  # the default name is now ignored
+    assert len(calls) == 2
