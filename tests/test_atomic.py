@@ -103,6 +103,7 @@ def kill_and_settle(harness: AtomicHarness, *, atomic: bool) -> tuple[CampaignRe
 # -- SIGKILL at random points ------------------------------------------------------------
 
 
+@pytest.mark.chaos
 def test_c40_sigkill_at_random_points_leaves_exactly_one_row_per_key(
     harness: AtomicHarness, record_property: Callable[[str, Any], None]
 ) -> None:
@@ -141,6 +142,7 @@ def test_c40_sigkill_at_random_points_leaves_exactly_one_row_per_key(
     print("C40 atomic:", json.dumps(summary))
 
 
+@pytest.mark.chaos
 def test_c40_without_atomic_mode_the_same_kills_leave_duplicates(
     harness: AtomicHarness, record_property: Callable[[str, Any], None]
 ) -> None:
