@@ -40,6 +40,11 @@ class AppState:
             options = self._options[route] = EffectiveOptions.merge(self.settings, route)
         return options
 
+    @property
+    def has_db(self) -> bool:
+        """Whether the table lives on a Flask-SQLAlchemy ``db`` (migrations own it then)."""
+        return self.extension._db is not None
+
     def require_db(self) -> Any:
         """The Flask-SQLAlchemy ``db`` that atomic mode needs (C40)."""
         db = self.extension._db

@@ -122,12 +122,7 @@ class Maintenance:
     @property
     def engine(self) -> Engine:
         """The store's engine, fetched without the store's create-on-first-use step."""
-        # The store creates the table on first use for the embedded SQLite default;
-        # an operator command must only ever report that the table is missing.
-        engines = self.store._engines
-        if engines is not None:
-            return engines[0]
-        return self.store._engine_factory()
+        return self.store.engine_without_setup()
 
     @contextmanager
     def _connection(self, *, transaction: bool) -> Iterator[Connection]:

@@ -82,6 +82,12 @@ class DurableStore:
                 engines = self._engines
         return engines
 
+    def engine_without_setup(self) -> Engine:
+        """The engine, without the create-on-first-use step: operator commands must
+        only ever report a missing table, never create one."""
+        engines = self._engines
+        return engines[0] if engines is not None else self._engine_factory()
+
     @property
     def dialect(self) -> str:
         return self.engine.dialect.name
