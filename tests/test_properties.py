@@ -20,9 +20,11 @@ from hypothesis import strategies as st
 
 from flask_idempotency import Idempotency, idempotent
 from flask_idempotency.config import TRANSIENT_STATUSES
-from flask_idempotency.fingerprint import request_fingerprint
+from flask_idempotency.extension import create_store_engine
+from flask_idempotency.fingerprint import key_digest, request_fingerprint
 from flask_idempotency.keys import InvalidKey, parse_key
-from flask_idempotency.records import Completed, StoredResponse
+from flask_idempotency.records import Claim, Completed, Identity, Record, StoredResponse
+from flask_idempotency.store import DurableStore
 
 PROPERTY_SETTINGS = settings(
     max_examples=200,
@@ -308,3 +310,105 @@ def test_c9_replay_is_byte_identical(replay_app, body: bytes, status: int, mimet
 def test_c22_cache_record_round_trips(body, status, headers, omitted, expires) -> None:
     record = Completed("f" * 64, expires, StoredResponse(status, tuple(headers), body, omitted))
     assert Completed.from_json(record.to_json()) == record
+
+
+# -- forms -------------------------------------------------------------------------------------------
+
+FORM_FIELDS = st.lists(
+    st.tuples(st.text(min_size=1, max_size=8), st.text(max_size=8)), min_size=1, max_size=6
+)
+
+
+@PROPERTY_SETTINGS
+@given(fields=FORM_FIELDS, other=FORM_FIELDS, rnd=st.randoms(use_true_random=False))
+def test_c6_form_field_order_never_matters_and_content_does(fp_app, fields, other, rnd) -> None:
+    ct = "application/x-www-form-urlencoded"
+    shuffled = list(fields)
+    rnd.shuffle(shuffled)
+    base = fingerprint(fp_app, urlencode(fields), content_type=ct)
+    assert fingerprint(fp_app, urlencode(shuffled), content_type=ct) == base
+    if sorted(other) != sorted(fields):
+        assert fingerprint(fp_app, urlencode(other), content_type=ct) != base
+
+
+# -- the durable store against a model ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def store_engine(tmp_path_factory):
+    engine = create_store_engine(f"sqlite:///{tmp_path_factory.mktemp('model')}/model.sqlite3")
+    yield engine
+    engine.dispose()
+
+
+class StoreModel:
+    """What the store must say, per key: absent, or (state, fingerprint, current token)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, tuple[str, str, str | None]] = {}
+
+
+OPERATIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["acquire", "complete", "release"]),
+        st.sampled_from(["k1", "k2", "k3"]),
+        st.sampled_from(["fp-a", "fp-b"]),
+        st.integers(0, 10),  # which earlier claim a complete/release uses
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(operations=OPERATIONS)
+def test_c8_c14_c20_store_follows_the_model(store_engine, operations) -> None:
+    """Any sequence of claims, completions and releases (stale ones included) obeys the rules:
+    one owner per key, only the current token writes, a release frees the key, a
+    completed record stays completed and keeps its response."""
+    store = DurableStore(lambda: store_engine, table_name=f"m_{uuid.uuid4().hex[:12]}",
+                         create_table=True)
+    model = StoreModel()
+    claims: list[tuple[str, Claim]] = []
+    try:
+        for op, key, fp, pick in operations:
+            digest = key_digest("s", key)
+            fp_hex = fp.ljust(64, "0")
+            expected = model.records.get(key)
+            if op == "acquire":
+                outcome = store.acquire(
+                    Identity("s", digest, fp_hex, "POST", "/"), ttl=3600, lease=600
+                )
+                if expected is None:
+                    assert isinstance(outcome, Claim) and outcome.how == "new"
+                    model.records[key] = ("in_progress", fp_hex, outcome.lock_token)
+                    claims.append((key, outcome))
+                else:
+                    assert isinstance(outcome, Record)
+                    assert (outcome.state, outcome.fingerprint, outcome.lock_token) == expected
+            elif claims:
+                claim_key, claim = claims[pick % len(claims)]
+                current = model.records.get(claim_key)
+                is_owner = current is not None and current[2] == claim.lock_token
+                if op == "complete":
+                    body = f"{claim_key}:{claim.lock_token}".encode()
+                    result = store.complete(claim, StoredResponse(201, (), body))
+                    assert (result is not None) == is_owner
+                    if is_owner:
+                        model.records[claim_key] = ("completed", current[1], None)
+                else:
+                    assert store.release(claim) == is_owner
+                    if is_owner:
+                        del model.records[claim_key]
+            for model_key in ("k1", "k2", "k3"):
+                record = store.get(key_digest("s", model_key))
+                want = model.records.get(model_key)
+                if want is None:
+                    assert record is None
+                else:
+                    assert (record.state, record.fingerprint, record.lock_token) == want
+                    if record.state == "completed":
+                        assert record.response.body.startswith(f"{model_key}:".encode())
+    finally:
+        store.table.drop(store_engine, checkfirst=True)
