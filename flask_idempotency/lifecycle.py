@@ -10,8 +10,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from flask import Response, current_app, g, request
@@ -51,6 +54,8 @@ class Ownership:
     release_requested: bool = False
     failed: bool = False
     settled: bool = False
+    #: Set by the view wrapper: only an outcome of the view itself is ever stored (R48).
+    view_started: bool = False
 
 
 @dataclasses.dataclass
@@ -218,8 +223,54 @@ def _own(decision: _Decision, claim: Claim) -> None:
         decision.state.cache.discard(decision.ident.key_digest)  # an old copy must not replay
     elif claim.how == "taken_over":
         _emit(signals.lease_taken_over, decision)
+    _track_view_start(request.endpoint)
     g._idempotency = Ownership(decision.ident, claim, decision.options, decision.started)
     _emit(signals.request_executed, decision, how=claim.how)
+
+
+def _track_view_start(endpoint: str | None) -> None:
+    """Make the endpoint's registered view record that it started (R48).
+
+    A ``before_request`` hook that runs after ours (CSRF, permissions) may still
+    reject the request; its answer must not be stored under the key, because
+    the view never ran. The registered view is wrapped once, in place in
+    ``app.view_functions``, which covers every decorator order, class-based
+    views and blueprints alike.
+    """
+    views = current_app.view_functions
+    view = views.get(endpoint) if endpoint is not None else None
+    if view is None or getattr(view, _START_TRACKED_ATTR, False):
+        return
+    views[endpoint] = _start_tracking(view)  # type: ignore[index]
+
+
+_START_TRACKED_ATTR = "__idempotency_start_tracked__"
+
+
+def _start_tracking(view: Callable[..., Any]) -> Callable[..., Any]:
+    def mark_started() -> None:
+        own: Ownership | None = g.get("_idempotency")
+        if own is not None:
+            own.view_started = True
+
+    if inspect.iscoroutinefunction(view):
+
+        @functools.wraps(view)
+        async def tracked_async(*args: Any, **kwargs: Any) -> Any:
+            mark_started()
+            return await view(*args, **kwargs)
+
+        tracked: Callable[..., Any] = tracked_async
+    else:
+
+        @functools.wraps(view)
+        def tracked_sync(*args: Any, **kwargs: Any) -> Any:
+            mark_started()
+            return view(*args, **kwargs)
+
+        tracked = tracked_sync
+    setattr(tracked, _START_TRACKED_ATTR, True)
+    return tracked
 
 
 def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
@@ -258,7 +309,9 @@ def after_request(response: Response) -> Response:
 
 
 def _release_reason(own: Ownership, status: int) -> str | None:
-    """Why this outcome must not be stored, or ``None`` to store it (C16–C19)."""
+    """Why this outcome must not be stored, or ``None`` to store it (C16–C19, R48)."""
+    if not own.view_started:
+        return "view-not-run"
     if own.release_requested:
         return "view"
     if own.failed:

@@ -931,12 +931,6 @@ def test_c33_body_at_the_limit_is_stored_whole(make_app) -> None:
     assert "Idempotency-Replay" not in second.headers
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the claim is taken in a before_request hook; a later before_request "
-    "(CSRF, permissions, registered after init_app) that rejects the request gets its "
-    "4xx stored and replayed although the view never ran (R48)",
-)
 def test_r48_rejection_by_a_later_hook_is_not_stored(make_app) -> None:
     app, calls = exit_path_app(make_app, {"TESTING": False})
 
