@@ -19,7 +19,19 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, MetaData, Table, and_, delete, insert, not_, select, text, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    MetaData,
+    Table,
+    and_,
+    delete,
+    inspect,
+    not_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -77,10 +89,18 @@ class DurableStore:
                 if self._engines is None:
                     engine = self._engine_factory()
                     if self._create_table:
-                        self.table.create(engine, checkfirst=True)
+                        self._create_if_missing(engine)
                     self._engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"))
                 engines = self._engines
         return engines
+
+    def _create_if_missing(self, engine: Engine) -> None:
+        """Create the table; another process creating it at the same moment is fine."""
+        try:
+            self.table.create(engine, checkfirst=True)
+        except SQLAlchemyError:
+            if not inspect(engine).has_table(self.table.name, schema=self.table.schema):
+                raise
 
     def engine_without_setup(self) -> Engine:
         """The engine, without the create-on-first-use step: operator commands must
