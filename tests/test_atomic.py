@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from flask import jsonify, request
+from sqlalchemy import event
 from sqlalchemy.engine import URL
 
 from flask_idempotency import idempotent, release_claim, signals
@@ -233,6 +234,79 @@ def test_c40_lost_lease_rolls_back_the_late_owners_writes(
         again = payments.app.test_client().post("/payments", json=body, headers={"Idempotency-Key": key})
         assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
         assert again.data == taker.data
+
+
+#: How long a duplicate may take to answer while the owner sits inside its commit. It needs
+#: at most a few lock timeouts (500 ms each); the owner is held until it answers, or this long.
+DUPLICATE_ANSWER_WITHIN = 12.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG: store.py DurableStore._insert (acquire's INSERT ... ON CONFLICT DO NOTHING) runs"
+        " without a lock_timeout; once an atomic owner's completion UPDATE has run, the"
+        " duplicate's unique check waits on the owner's transaction until it commits, holding a"
+        " connection and ignoring wait=0 (C10/C11)."
+    ),
+)
+@pytest.mark.parametrize("lease_state", ["live", "lapsed"])
+def test_c40_duplicate_does_not_queue_behind_an_owner_inside_its_commit(
+    harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp], lease_state: str
+) -> None:
+    """C40/X8 with C11: after the owner's completion UPDATE the record's row is locked until
+    its commit. A duplicate (wait=0) that arrives then must answer 409 at once, not queue in
+    the database behind that commit (which an app's before_commit hook, a slow flush or a
+    synchronous replica can stretch), and must not run the view again; the owner's commit
+    then stands and replays.
+
+    Held in before_commit (the only commit of an atomic request is the extension's) until the
+    duplicate has answered, or DUPLICATE_ANSWER_WITHIN at most.
+    """
+    lease = 60.0 if lease_state == "live" else 1.0
+    payments = make_payments_app(lease=lease, wait=0.0)
+    key, body = f"c40-commit-lock-{lease_state}", {"amount": 800}
+    in_commit, finish_commit, duplicate_answered = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_the_commit(session: Any) -> None:
+        if not in_commit.is_set():
+            in_commit.set()
+            finish_commit.wait(DUPLICATE_ANSWER_WITHIN + 30)
+
+    event.listen(payments.db.session, "before_commit", hold_the_commit)
+    answers: dict[str, Any] = {}
+
+    def send(name: str, done: threading.Event | None = None) -> None:
+        client = payments.app.test_client()
+        answers[name] = client.post("/payments", json=body, headers={"Idempotency-Key": key})
+        if done is not None:
+            done.set()
+
+    owner_thread = threading.Thread(target=send, args=("owner",))
+    owner_thread.start()
+    duplicate_thread = threading.Thread(target=send, args=("duplicate", duplicate_answered))
+    try:
+        assert in_commit.wait(30)
+        if lease_state == "lapsed":
+            wait_until(lambda: not harness.record(key).lease_live, 30, "the owner's lease to lapse")  # type: ignore[union-attr]
+        duplicate_thread.start()
+        answered_during_commit = duplicate_answered.wait(DUPLICATE_ANSWER_WITHIN)
+    finally:
+        finish_commit.set()
+        owner_thread.join(timeout=60)
+        if duplicate_thread.ident is not None:  # it was started
+            duplicate_thread.join(timeout=60)
+
+    owner = answers["owner"]
+    assert owner.status_code == 201
+    assert answered_during_commit, "the duplicate queued behind the owner's commit"
+    assert answers["duplicate"].status_code == 409
+    assert answers["duplicate"].get_json()["code"] == "request-in-progress"
+    assert harness.attempt_count() == 1  # the view did not run a second time
+    assert [row.id for row in harness.payments_by_key()[key]] == [owner.get_json()["payment_id"]]
+    replay = payments.app.test_client().post("/payments", json=body, headers={"Idempotency-Key": key})
+    assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.data == owner.data
 
 
 # -- exits that store nothing ---------------------------------------------------------------
