@@ -22,12 +22,17 @@ BODY_OMITTED_HEADER = "Idempotency-Replay"
 BODY_OMITTED_VALUE = "omitted"
 
 
+#: Headers without which the stored bytes cannot be read: kept whatever the allow-list
+#: says (a gzip ``after_request`` that ran before this layer compressed the body).
+BODY_HEADERS = frozenset({"content-encoding"})
+
+
 def capture(response: Response, settings: Settings) -> StoredResponse:
     """What to store of ``response``; buffers a streamed body up to the limit."""
     headers = tuple(
         (name, value)
         for name, value in response.headers.items()
-        if name.lower() in settings.replay_headers
+        if name.lower() in settings.replay_headers or name.lower() in BODY_HEADERS
     )
     limit = settings.max_body_bytes
     if response.is_sequence:
