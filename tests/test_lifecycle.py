@@ -9,6 +9,7 @@ are parked from the wake-up hub, so nothing depends on timing.
 from __future__ import annotations
 
 import gc
+import gzip
 import json
 import threading
 import time
@@ -398,6 +399,35 @@ def test_c9_replay_status_body_and_allow_listed_headers(app_calls) -> None:
     assert "Set-Cookie" not in replayed.headers
     assert "X-Request-Id" not in replayed.headers
     assert calls == ["pay"]
+
+
+def test_c9_compressed_body_replays_with_its_content_encoding(app_calls) -> None:
+    """A compression hook registered after init_app runs before the layer's after_request:
+    the stored bytes are gzip, so the replay must say so or the client gets garbage."""
+    app, _, calls = app_calls
+
+    @app.after_request
+    def compress(response: Response) -> Response:
+        if "Content-Encoding" in response.headers:  # as Flask-Compress does
+            return response
+        response.set_data(gzip.compress(response.get_data(), mtime=0))
+        response.headers["Content-Encoding"] = "gzip"
+        return response
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        calls.append("pay")
+        return jsonify(paid=True), 201
+
+    client = app.test_client()
+    first = client.post("/pay", headers=KEY)
+    again = client.post("/pay", headers=KEY)
+    assert json.loads(gzip.decompress(first.data)) == {"paid": True}
+    assert again.headers.get(REPLAYED) == "true" and calls == ["pay"]
+    assert again.headers.get("Content-Encoding") == "gzip"
+    assert again.data == first.data
+    assert json.loads(gzip.decompress(again.data)) == {"paid": True}
 
 
 def test_c9_configured_replay_headers_and_header_name(make_app) -> None:
