@@ -54,7 +54,7 @@ def _maintenance() -> Maintenance:
 
 def _uses_migrations() -> bool:
     """``Idempotency(db=...)``: the table lives on the app's metadata and its migrations."""
-    return _state().has_db
+    return bool(_state().has_db)
 
 
 def database_errors(command: F) -> F:

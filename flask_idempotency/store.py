@@ -130,7 +130,9 @@ class DurableStore:
         record: Record | None = None
         for _ in range(_ATTEMPTS):
             token = uuid.uuid4().hex
-            claim = self._run(lambda c: self._insert(c, ident, token, ttl_ms, lease_ms))
+            claim = self._run(
+                lambda c, token=token: self._insert(c, ident, token, ttl_ms, lease_ms)  # type: ignore[misc]
+            )
             if claim is not None:
                 return claim
             record = self.get(ident.key_digest)
@@ -155,21 +157,20 @@ class DurableStore:
     ) -> Claim | None:
         t = self.table
         now = db_now_ms()
-        values = dict(
-            key_digest=ident.key_digest,
-            scope=ident.scope,
-            fingerprint=ident.fingerprint,
-            method=ident.method,
-            path=ident.path[:2048],
-            state=IN_PROGRESS,
-            lock_token=token,
-            created_at_ms=now,
-            expires_at_ms=now + ttl_ms,
-            lease_expires_at_ms=now + lease_ms,
-        )
         stmt = (
             self._insert_construct()
-            .values(**values)
+            .values(
+                key_digest=ident.key_digest,
+                scope=ident.scope,
+                fingerprint=ident.fingerprint,
+                method=ident.method,
+                path=ident.path[:2048],
+                state=IN_PROGRESS,
+                lock_token=token,
+                created_at_ms=now,
+                expires_at_ms=now + ttl_ms,
+                lease_expires_at_ms=now + lease_ms,
+            )
             .on_conflict_do_nothing(index_elements=[t.c.key_digest])
             .returning(t.c.id, t.c.expires_at_ms)
         )
