@@ -76,6 +76,9 @@ def commit(db: Any, store: DurableStore, claim: Claim, response: StoredResponse)
     session = db.session
     session.info[_COMMITTING] = True
     try:
+        # Flush the view's pending writes first (autoflush may be off): the completion
+        # locks the record's row until the commit, and a slow flush must not hold it.
+        session.flush()
         row = session.execute(store.completion_statement(claim, response)).first()
         if row is None:
             session.rollback()
