@@ -20,11 +20,12 @@ from typing import Any
 
 import pytest
 from flask import jsonify, request
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.engine import URL
 
 from flask_idempotency import idempotent, release_claim, signals
 from flask_idempotency.atomic import ViewCommitted
+from flask_idempotency.fingerprint import key_digest
 from tests.apps.atomicapp import AtomicApp, build_app
 from tests.support.kill_campaign import (
     AtomicHarness,
@@ -307,6 +308,67 @@ def test_c40_duplicate_does_not_queue_behind_an_owner_inside_its_commit(
     replay = payments.app.test_client().post("/payments", json=body, headers={"Idempotency-Key": key})
     assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
     assert replay.data == owner.data
+
+
+@pytest.mark.parametrize("autoflush", [True, False], ids=["autoflush", "no-autoflush"])
+def test_c40_record_row_is_not_locked_while_the_views_writes_wait_to_flush(
+    harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp], autoflush: bool
+) -> None:
+    """C40 with C11: the completion UPDATE locks the record's row until the commit, so it
+    must come after the view's pending writes are flushed, also in apps that turn the
+    session's autoflush off. A flush that waits (here on a table lock another transaction
+    holds) must not keep the record locked meanwhile, or every duplicate of the key waits
+    with it."""
+    payments = make_payments_app(session_options={"autoflush": autoflush})
+    db, payment_model = payments.db, payments.payment_model
+    key = f"c40-slow-flush-{autoflush}"
+
+    @payments.app.post("/unflushed")
+    @idempotent(atomic=True)
+    def unflushed():  # type: ignore[no-untyped-def]
+        db.session.add(payment_model(idem_key=key, amount=3, pid=0))  # flushed at the end
+        return jsonify(ok=True), 201
+
+    answers: dict[str, Any] = {}
+    with harness.engine.connect() as blocker:
+        blocker.execute(text(f'LOCK TABLE "{harness.payments.name}" IN SHARE MODE'))
+        thread = threading.Thread(
+            target=lambda: answers.update(
+                response=payments.app.test_client().post(
+                    "/unflushed", json={}, headers={"Idempotency-Key": key}
+                )
+            )
+        )
+        thread.start()
+        try:
+            wait_until(lambda: _waiting_insert(harness), 30, "the view's INSERT to wait for the table lock")
+            with harness.engine.connect() as probe:
+                locked = probe.execute(
+                    text(
+                        f'SELECT state FROM "{harness.table}" WHERE key_digest = :digest'
+                        " FOR UPDATE SKIP LOCKED"
+                    ),
+                    {"digest": key_digest("anonymous", key)},
+                ).all()
+                probe.rollback()
+        finally:
+            blocker.rollback()  # the flush goes ahead
+            thread.join(timeout=60)
+    assert answers["response"].status_code == 201
+    assert locked == [("in_progress",)], "the record's row was locked while the flush waited"
+
+
+def _waiting_insert(harness: AtomicHarness) -> bool:
+    with harness.engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE :insert"
+                ),
+                {"insert": f"INSERT INTO {harness.payments.name}%"},
+            ).scalar_one()
+        )
 
 
 # -- exits that store nothing ---------------------------------------------------------------

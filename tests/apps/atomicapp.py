@@ -132,6 +132,7 @@ def build_app(
     wait: float = 0.0,
     atomic: bool = True,
     config: dict[str, Any] | None = None,
+    session_options: dict[str, Any] | None = None,
 ) -> AtomicApp:
     """The payments app; tests add more views to ``.app`` before its first request."""
     app = Flask(__name__)
@@ -143,7 +144,7 @@ def build_app(
         IDEMPOTENCY_WAIT=wait,
     )
     app.config.update(config or {})
-    db = SQLAlchemy(app)
+    db = SQLAlchemy(app, session_options=session_options or {})
     idempotency = Idempotency(app, db=db)
     payments = payments_table(db.metadata, records_table)
 
