@@ -491,6 +491,38 @@ def blocking_view(app: Flask, calls: list[str], **options: Any):
     return entered, release, first_status
 
 
+def test_c8_parallel_first_requests_execute_once(make_app) -> None:
+    app, _ = make_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
+    calls: list[str] = []
+    lock = threading.Lock()
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        with lock:
+            calls.append("pay")
+        return jsonify(n=len(calls)), 201
+
+    racers = 10
+    barrier = threading.Barrier(racers)
+    responses: list[Any] = []
+
+    def race() -> None:
+        client = app.test_client()
+        barrier.wait(PARK_LIMIT)
+        responses.append(client.post("/pay", json={"a": 1}, headers=KEY))
+
+    threads = [threading.Thread(target=race, daemon=True) for _ in range(racers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(PARK_LIMIT * 2)
+    assert len(responses) == racers
+    assert calls == ["pay"]
+    assert all(r.status_code == 201 and r.data == responses[0].data for r in responses)
+    assert sum(REPLAYED not in r.headers for r in responses) == 1
+
+
 def test_c11_in_flight_duplicate_with_wait_0_is_409(app_calls) -> None:
     app, _, calls = app_calls
     entered, release, _ = blocking_view(app, calls)

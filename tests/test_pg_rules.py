@@ -350,3 +350,21 @@ def test_pg_scope_with_nul_never_500(make_pg_app) -> None:
     assert client.post("/pay", headers={**KEY, "X-Tenant": "a"}).status_code == 201
     assert client.post("/pay", headers={**KEY, "X-Tenant": "a"}).headers.get(REPLAYED) == "true"
     assert client.post("/pay", headers={**KEY, "X-Tenant": "b"}).headers.get(REPLAYED) is None
+
+
+def test_c12_pg_release_while_waiters_park_lets_exactly_one_rerun(make_pg_app) -> None:
+    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
+    calls: list[str] = []
+    entered, release = parking_view(app, calls, first_status=500)
+    original = Background(app, "/pay", json={"a": 1}, headers=KEY)
+    assert entered.wait(PARK_LIMIT)
+    waiters = [Background(app, "/pay", json={"a": 1}, headers=KEY) for _ in range(4)]
+    wait_until(lambda: parked(app) == 4, "four duplicates to park")
+    release.set()
+    assert original.result().status_code == 500
+    results = [w.result() for w in waiters]
+    executed = [r for r in results if REPLAYED not in r.headers]
+    assert len(calls) == 2
+    assert len(executed) == 1 and executed[0].status_code == 201
+    assert all(r.status_code == 201 and r.data == executed[0].data for r in results)
+    assert states(app) == ["completed"]
