@@ -109,11 +109,9 @@ def test_c21_pg_short_ttl(make_pg_app) -> None:
 
     client = app.test_client()
     first = client.post("/short", json={"a": 1}, headers=KEY)
+    assert first.status_code == 201
     (row,) = rows(app)
-    replay = client.post("/short", json={"a": 1}, headers=KEY)
-    assert replay.headers.get(REPLAYED) == "true" and replay.data == first.data
-    assert rows(app)[0]["expires_at_ms"] == row["expires_at_ms"], "a replay does not extend life"
-    assert_problem(client.post("/short", json={"a": 9}, headers=KEY), 422, "key-reused")
+    # No replay or 422 check here: on a loaded machine a second may already have passed.
     wait_for_db_clock(app, row["expires_at_ms"])
     again = client.post("/short", json={"a": 1}, headers=KEY)
     assert again.status_code == 201 and REPLAYED not in again.headers
@@ -122,6 +120,25 @@ def test_c21_pg_short_ttl(make_pg_app) -> None:
     assert other.status_code == 201, "after expiry a different body runs as new, no 422"
     assert calls == [{"a": 1}, {"a": 1}, {"a": 2}]
     assert len(rows(app)) == 1
+
+
+def test_c21_pg_replay_does_not_extend_life(make_pg_app) -> None:
+    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": 0})
+
+    @app.post("/pay")
+    @idempotent(ttl=3600)
+    def pay():
+        return "paid", 201
+
+    client = app.test_client()
+    client.post("/pay", headers=KEY)
+    (before,) = rows(app)
+    for _ in range(3):
+        assert client.post("/pay", headers=KEY).headers.get(REPLAYED) == "true"
+    assert_problem(client.post("/pay", json={"x": 1}, headers=KEY), 422, "key-reused")
+    (after,) = rows(app)
+    assert after["expires_at_ms"] == before["expires_at_ms"]
+    assert after["created_at_ms"] == before["created_at_ms"]
 
 
 def test_c21_pg_in_progress_with_live_lease_is_never_expired(make_pg_app) -> None:
