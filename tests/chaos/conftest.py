@@ -37,7 +37,7 @@ from tests.support.tcp_proxy import TcpProxy
 #: Seconds any "eventually" may take on a loaded 2-core machine.
 EVENTUALLY = 60.0
 SUMMARY_COLUMNS = (
-    "requests", "executions", "originals", "replays", "409", "422", "503", "5xx",
+    "keys", "requests", "executions", "originals", "replays", "409", "422", "503", "other 5xx",
     "no answer", "kills",
 )
 
@@ -188,14 +188,18 @@ def rig(pg_url: URL, tmp_path: Any) -> Iterator[ChaosRig]:
 
 @pytest.fixture(scope="session")
 def chaos_summary() -> Callable[..., None]:
-    """``chaos_summary(name, answers, executions=..., kills=...)`` adds a row to the final table."""
+    """``chaos_summary(name, answers, keys=..., executions=..., kills=...)`` adds a row to the final table.
 
-    def report(name: str, log: AnswerLog, *, executions: int, kills: int = 0) -> None:
+    ``executions`` above ``keys`` are re-runs: each must be explained (a kill, a store cut off).
+    """
+
+    def report(name: str, log: AnswerLog, *, keys: int, executions: int, kills: int = 0) -> None:
         answers = log.answers
         _summary_rows.append(
             (
                 name,
                 {
+                    "keys": keys,
                     "requests": len(answers),
                     "executions": executions,
                     "originals": sum(a.original for a in answers),
@@ -203,7 +207,7 @@ def chaos_summary() -> Callable[..., None]:
                     "409": sum(a.status == 409 for a in answers),
                     "422": sum(a.status == 422 for a in answers),
                     "503": sum(a.status == 503 for a in answers),
-                    "5xx": sum(a.status is not None and a.status >= 500 and a.status != 503 for a in answers),
+                    "other 5xx": sum(a.status is not None and a.status >= 500 and a.status != 503 for a in answers),
                     "no answer": sum(a.status is None for a in answers),
                     "kills": kills,
                 },
