@@ -405,3 +405,37 @@ def test_c2_configured_header_name(make_app) -> None:
     assert again.headers.get("Idempotent-Replayed") == "true"
     client.post("/pay", headers={"Idempotency-Key": "k"})  # the default name is now ignored
     assert len(calls) == 2
+
+
+# -- the named cases of httpwg structured-field-tests string.json -------------------------------
+
+HTTPWG_STRING_CASES = [
+    ("basic string", '"foo bar"', "foo bar"),
+    ("whitespace string", '"   "', "   "),
+    ("string quoting", '"foo \\"bar\\" \\\\ baz"', 'foo "bar" \\ baz'),
+    ("long string", '"' + "foo " * 65 + '"', "foo " * 65),
+    ("empty string", '""', INVALID),  # a valid sf-string, but never a usable key
+    ("non-ascii string", '"f\u00fc\u00fc"', INVALID),
+    ("tab in string", '"\\t"', INVALID),
+    ("newline in string", '" \n "', INVALID),
+    ("unbalanced string", '"foo', INVALID),
+    ("bad string quoting", '"foo \\,"', INVALID),
+    ("ending string quote", '"foo \\"', INVALID),
+    ("abruptly ending string quote", '"foo \\', INVALID),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "expected"),
+    [pytest.param(field, expected, id=name) for name, field, expected in HTTPWG_STRING_CASES],
+)
+@pytest.mark.parametrize("strict", [False, True])
+def test_c2_httpwg_string_cases(field: str, expected: object, strict: bool) -> None:
+    assert outcome(field, strict=strict, max_length=300) == expected
+
+
+def test_c2_single_quoted_string() -> None:
+    """httpwg "single quoted string" is not an sf-string: absent in strict mode, while
+    the lenient mode reads ``'foo'`` as a bare key (quotes included)."""
+    assert parse_key(["'foo'"], strict=True) is None
+    assert parse_key(["'foo'"]) == "'foo'"
