@@ -15,7 +15,7 @@ from flask import Flask, jsonify, request
 
 from flask_idempotency import idempotent, lifecycle, signals
 from flask_idempotency.fingerprint import key_digest, request_fingerprint
-from flask_idempotency.records import Claim, Identity
+from flask_idempotency.records import Claim, Identity, StoredResponse
 
 from .test_lifecycle import (
     KEY,
@@ -385,3 +385,66 @@ def test_c12_pg_release_while_waiters_park_lets_exactly_one_rerun(make_pg_app) -
     assert len(executed) == 1 and executed[0].status_code == 201
     assert all(r.status_code == 201 and r.data == executed[0].data for r in results)
     assert states(app) == ["completed"]
+
+
+def race(app: Flask, bodies: list[Any]) -> list[Any]:
+    """POST each body at once from its own thread; return the responses."""
+    barrier = threading.Barrier(len(bodies))
+    responses: list[Any] = []
+    errors: list[BaseException] = []
+
+    def one(body: Any) -> None:
+        try:
+            client = app.test_client()
+            barrier.wait(PARK_LIMIT)
+            responses.append(client.post("/pay", json=body, headers=KEY))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(b,), daemon=True) for b in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(PARK_LIMIT * 2)
+    assert not errors and len(responses) == len(bodies)
+    return responses
+
+
+def expired_record_app(make_pg_app) -> tuple[Flask, list[Any]]:
+    """An app whose key-1 record is completed and already expired."""
+    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
+    calls: list[Any] = []
+    lock = threading.Lock()
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        with lock:
+            calls.append(request.json)
+        return jsonify(body=request.json), 201
+
+    store = app.extensions["idempotency"].store
+    old = store.acquire(identity_of(app, "/pay", {"old": True}), ttl=0.1, lease=0.05)
+    assert isinstance(old, Claim)
+    store.complete(old, StoredResponse(201, (), b'{"body":{"old":true}}'))
+    wait_for_db_clock(app, old.expires_at_ms)
+    return app, calls
+
+
+def test_c21_pg_racers_replace_an_expired_record_once(make_pg_app) -> None:
+    app, calls = expired_record_app(make_pg_app)
+    responses = race(app, [{"new": 1}] * 15)
+    assert calls == [{"new": 1}]
+    assert all(r.status_code == 201 and r.json == {"body": {"new": 1}} for r in responses)
+    assert sum(REPLAYED not in r.headers for r in responses) == 1
+    assert states(app) == ["completed"]
+
+
+def test_c21_pg_racers_with_different_bodies_after_expiry(make_pg_app) -> None:
+    app, calls = expired_record_app(make_pg_app)
+    responses = race(app, [{"new": i} for i in range(10)])
+    assert len(calls) == 1
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses == [201] + [422] * 9
+    winner = next(r for r in responses if r.status_code == 201)
+    assert winner.json == {"body": calls[0]}
