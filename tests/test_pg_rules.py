@@ -14,6 +14,7 @@ import pytest
 from flask import Flask, jsonify, request
 
 from flask_idempotency import idempotent, lifecycle, signals
+from flask_idempotency.extension import create_store_engine
 from flask_idempotency.fingerprint import key_digest, request_fingerprint
 from flask_idempotency.records import Claim, Identity, StoredResponse
 
@@ -448,3 +449,30 @@ def test_c21_pg_racers_with_different_bodies_after_expiry(make_pg_app) -> None:
     assert statuses == [201] + [422] * 9
     winner = next(r for r in responses if r.status_code == 201)
     assert winner.json == {"body": calls[0]}
+
+
+def test_c10_pg_parked_requests_hold_no_connection(make_pg_app, pg_url) -> None:
+    """Ten waiters park on a pool of two connections: if parking held a connection, the
+    third waiter could not even read the record and would end in a 503 (C10, R78)."""
+    engine = create_store_engine(
+        pg_url.render_as_string(hide_password=False), pool_size=2, max_overflow=0, pool_timeout=15
+    )
+    try:
+        app, _ = make_pg_app({"IDEMPOTENCY_WAIT": PARK_LIMIT}, engine=engine)
+        calls: list[str] = []
+        entered, release = parking_view(app, calls)
+        original = Background(app, "/pay", json={"a": 1}, headers=KEY)
+        try:
+            assert entered.wait(PARK_LIMIT)
+            waiters = [Background(app, "/pay", json={"a": 1}, headers=KEY) for _ in range(10)]
+            wait_until(lambda: parked(app) == 10, "ten waiters to park")
+        finally:
+            release.set()
+        first = original.result()
+        for waiter in waiters:
+            response = waiter.result()
+            assert response.status_code == 201 and response.data == first.data
+            assert response.headers.get(REPLAYED) == "true"
+        assert calls == ["pay"]
+    finally:
+        engine.dispose()
