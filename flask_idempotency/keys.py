@@ -67,7 +67,7 @@ def _parse_bare(field: str) -> str:
 class _Cursor:
     """A position in the field value; every parse step moves it forward."""
 
-    __slots__ = ("text", "pos")
+    __slots__ = ("pos", "text")
 
     def __init__(self, text: str) -> None:
         self.text = text
