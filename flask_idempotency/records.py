@@ -92,7 +92,7 @@ class Completed:
                     body_omitted=bool(data["om"]),
                 ),
             )
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, OverflowError, AttributeError):
             return None
 
 
