@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 
 import pytest
 from flask import Flask, Response, request
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from flask_idempotency import Idempotency, idempotent
@@ -412,3 +412,31 @@ def test_c8_c14_c20_store_follows_the_model(store_engine, operations) -> None:
                         assert record.response.body.startswith(f"{model_key}:".encode())
     finally:
         store.table.drop(store_engine, checkfirst=True)
+
+
+@PROPERTY_SETTINGS
+@given(
+    raw=st.one_of(
+        st.binary(max_size=200),
+        st.text(max_size=200),
+        st.recursive(
+            JSON_SCALARS,
+            lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=3), c)),
+            max_leaves=10,
+        ).map(json.dumps),
+        st.fixed_dictionaries(
+            {"v": st.just(1)},
+            optional={
+                "fp": JSON_VALUES, "exp": JSON_VALUES, "st": JSON_VALUES, "h": JSON_VALUES,
+                "b": JSON_VALUES, "om": JSON_VALUES,
+            },
+        ).map(json.dumps),
+    )
+)
+@example(raw='{"v":1,"fp":"x","exp":1e999,"st":200,"h":[],"b":"","om":false}')  # inf
+@example(raw='{"v":1,"fp":"x","exp":1,"st":-1e999,"h":[],"b":"","om":false}')
+def test_c24_garbage_in_the_cache_is_a_miss_never_an_error(raw) -> None:
+    """Whatever sits under a cache key (another version, a bug, an attacker with Redis
+    access), decoding it gives a record or ``None``; it never raises into a request."""
+    decoded = Completed.from_json(raw)
+    assert decoded is None or isinstance(decoded, Completed)
