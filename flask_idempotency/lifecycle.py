@@ -134,7 +134,10 @@ def _look_up(decision: _Decision) -> Claim | Completed | Record:
         decision.source = "cache"
         return cached
     outcome = decision.state.store.acquire(
-        decision.ident, ttl=decision.options.ttl, lease=decision.options.lease
+        decision.ident,
+        ttl=decision.options.ttl,
+        lease=decision.options.lease,
+        guard_locks=decision.options.atomic,
     )
     if isinstance(outcome, Record) and outcome.state == COMPLETED:
         decision.source = "database"
@@ -359,6 +362,9 @@ def _store_atomic(own: Ownership, response: Response, stored: StoredResponse) ->
     state: AppState = current_app.extensions["idempotency"]
     try:
         expires_at_ms = atomic.commit(state.require_db(), state.store, own.claim, stored)
+    except atomic.ViewWriteFailed:
+        _release(own, "exception", stored.status)  # like an exception in the view (C17)
+        raise
     except StoreError as exc:
         log.error("idempotency: atomic commit failed for %s: %s", own.ident.key_digest[:16], exc)
         _emit_owned(signals.store_error, own, tier="database", error=str(exc), action="commit")

@@ -118,21 +118,29 @@ class DurableStore:
 
     # -- the claim ------------------------------------------------------------------
 
-    def acquire(self, ident: Identity, *, ttl: float, lease: float) -> Claim | Record:
+    def acquire(
+        self, ident: Identity, *, ttl: float, lease: float, guard_locks: bool = False
+    ) -> Claim | Record:
         """Claim the record for ``ident``, or return the record that stands in the way.
 
         Returns a :class:`Claim` when this request now owns the record: it was new,
         it had expired and was replaced (C21), or its lease had lapsed and was taken
         over (C13). Otherwise returns the live record; the caller compares its
         fingerprint (C7), replays it (C9) or waits for it (C10).
+
+        ``guard_locks`` (atomic routes): an atomic owner keeps its record's row
+        locked from its completion to its commit, and a claim's unique check
+        would queue behind that commit; guarded, it gives up after a moment and
+        reads the record instead, so the duplicate parks or answers 409.
         """
         ttl_ms, lease_ms = int(ttl * 1000), int(lease * 1000)
         record: Record | None = None
         for _ in range(_ATTEMPTS):
             token = uuid.uuid4().hex
-            claim = self._run(
-                lambda c, token=token: self._insert(c, ident, token, ttl_ms, lease_ms)  # type: ignore[misc]
-            )
+            def insert(conn: Connection, token: str = token) -> Claim | None:
+                return self._insert(conn, ident, token, ttl_ms, lease_ms)
+
+            claim = self._run_locked(insert) if guard_locks else self._run(insert)
             if claim is not None:
                 return claim
             record = self.get(ident.key_digest)
@@ -214,7 +222,7 @@ class DurableStore:
             )
             .returning(t.c.expires_at_ms)
         )
-        row = self._run_locked(stmt)
+        row = self._run_locked(lambda conn: conn.execute(stmt).first())
         return None if row is None else Claim(record.id, token, row.expires_at_ms, "replaced")
 
     def _take_over(self, record: Record, token: str, lease_ms: int) -> Claim | None:
@@ -231,21 +239,22 @@ class DurableStore:
             .values(lock_token=token, lease_expires_at_ms=now + lease_ms)
             .returning(t.c.expires_at_ms)
         )
-        row = self._run_locked(stmt)
+        row = self._run_locked(lambda conn: conn.execute(stmt).first())
         return None if row is None else Claim(record.id, token, row.expires_at_ms, "taken_over")
 
-    def _run_locked(self, stmt: Any) -> Any:
-        """Run a conditional UPDATE that must not queue behind a live owner's row lock.
+    def _run_locked(self, work: Callable[[Connection], T]) -> T | None:
+        """Run ``work`` so that it does not queue behind another owner's row lock.
 
-        In atomic mode the owner holds its row locked for the whole view; a
-        would-be taker that cannot get the lock within a moment treats the record
-        as still in progress rather than waiting for the view to finish.
+        An atomic owner holds its record's row locked from its completion UPDATE
+        to its commit. A statement that cannot get that lock within a moment
+        returns ``None``, and the caller treats the record as still in progress
+        rather than waiting in the database for someone else's commit.
         """
 
-        def attempt(conn: Connection) -> Any:
+        def attempt(conn: Connection) -> T:
             if self.dialect == "postgresql":
                 conn.execute(text("SET LOCAL lock_timeout = '500ms'"))
-            return conn.execute(stmt).first()
+            return work(conn)
 
         try:
             return self._run(attempt, transaction=True)

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from flask import jsonify, request
+from sqlalchemy.exc import OperationalError
 from sqlalchemy import event, text
 from sqlalchemy.engine import URL
 
@@ -242,15 +243,6 @@ def test_c40_lost_lease_rolls_back_the_late_owners_writes(
 DUPLICATE_ANSWER_WITHIN = 12.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: store.py DurableStore._insert (acquire's INSERT ... ON CONFLICT DO NOTHING) runs"
-        " without a lock_timeout; once an atomic owner's completion UPDATE has run, the"
-        " duplicate's unique check waits on the owner's transaction until it commits, holding a"
-        " connection and ignoring wait=0 (C10/C11)."
-    ),
-)
 @pytest.mark.parametrize("lease_state", ["live", "lapsed"])
 def test_c40_duplicate_does_not_queue_behind_an_owner_inside_its_commit(
     harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp], lease_state: str
@@ -467,13 +459,14 @@ def test_c40_unflushed_writes_commit_with_the_record(
     assert record is not None and record.state == "completed"
 
 
-def test_c40_failed_commit_keeps_nothing_and_answers_503(
+def test_c40_constraint_failure_at_the_final_flush_is_the_views_error(
     harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp]
 ) -> None:
-    """C40: when the one commit fails (here a NOT NULL violation the view never flushed),
-    neither the row nor the completion survives, the claim is released and the client gets
-    503 problem+json; the key is free for a retry."""
-    payments = make_payments_app()
+    """C40 with C17: the view's pending write breaks a NOT NULL constraint only when the
+    extension flushes it. That is the view's own error: nothing survives, the claim is
+    released and the client gets a plain 500, so a corrected retry can run (a 503 would
+    send it back to the same failure forever)."""
+    payments = make_payments_app(config={"TESTING": False})
     db, payment_model = payments.db, payments.payment_model
 
     @payments.app.post("/broken")
@@ -485,11 +478,46 @@ def test_c40_failed_commit_keeps_nothing_and_answers_503(
 
     client = payments.app.test_client()
     failed = client.post("/broken", json={"amount": None}, headers={"Idempotency-Key": "c40-broken"})
+    assert failed.status_code == 500
+    assert harness.payments_by_key().get("c40-broken", []) == []
+    assert harness.record("c40-broken") is None  # released: the key is free
+
+
+def test_c40_failed_commit_keeps_nothing_and_answers_503(
+    harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp]
+) -> None:
+    """C40: when the one commit fails in the database (the connection drops inside it),
+    neither the row nor the completion survives, the claim is released and the client gets
+    503 problem+json with Retry-After; the key is free for a retry."""
+    payments = make_payments_app()
+    db, payment_model = payments.db, payments.payment_model
+    drop_connection = threading.Event()
+
+    def lose_the_connection(session: Any) -> None:
+        if drop_connection.is_set():
+            drop_connection.clear()
+            raise OperationalError("COMMIT", {}, ConnectionError("server closed the connection"))
+
+    event.listen(db.session, "before_commit", lose_the_connection)
+
+    @payments.app.post("/flaky")
+    @idempotent(atomic=True)
+    def flaky():  # type: ignore[no-untyped-def]
+        db.session.add(payment_model(idem_key="c40-flaky", amount=5, pid=0))
+        return jsonify(ok=True), 201
+
+    client = payments.app.test_client()
+    drop_connection.set()
+    failed = client.post("/flaky", json={}, headers={"Idempotency-Key": "c40-flaky"})
     assert failed.status_code == 503
     assert failed.headers["Content-Type"] == "application/problem+json"
     assert failed.get_json()["code"] == "store-unavailable"
-    assert harness.payments_by_key().get("c40-broken", []) == []
-    assert harness.record("c40-broken") is None
+    assert int(failed.headers["Retry-After"]) >= 1
+    assert harness.payments_by_key().get("c40-flaky", []) == []
+    assert harness.record("c40-flaky") is None
+    retry = client.post("/flaky", json={}, headers={"Idempotency-Key": "c40-flaky"})
+    assert retry.status_code == 201 and "Idempotent-Replayed" not in retry.headers
+    assert len(harness.payments_by_key()["c40-flaky"]) == 1
 
 
 # -- a view that commits by itself -----------------------------------------------------------
