@@ -22,7 +22,7 @@ from typing import Any
 
 from flask import current_app
 from sqlalchemy import event
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from .records import Claim, StoredResponse
 from .store import DurableStore, StoreError, _describe
@@ -38,6 +38,11 @@ _guarded: weakref.WeakSet[Any] = weakref.WeakSet()
 
 class ViewCommitted(RuntimeError):
     """An atomic view committed ``db.session`` itself, outside the extension's unit."""
+
+
+class ViewWriteFailed(RuntimeError):
+    """Flushing an atomic view's writes failed (a constraint, bad data): the view's own
+    error, so the claim is released and the request fails like a view exception."""
 
 
 def guard_sessions(db: Any) -> None:
@@ -70,15 +75,23 @@ def commit(db: Any, store: DurableStore, claim: Claim, response: StoredResponse)
     """Complete the record inside the view's transaction and commit both.
 
     Returns the record's expiry, or ``None`` when the lease was lost (the view's
-    writes were rolled back). Raises :class:`StoreError` when the commit failed
-    (also rolled back).
+    writes were rolled back). Raises :class:`ViewWriteFailed` when the view's own
+    writes cannot be flushed, and :class:`StoreError` when the database failed
+    (both rolled back).
     """
     session = db.session
     session.info[_COMMITTING] = True
     try:
         # Flush the view's pending writes first (autoflush may be off): the completion
         # locks the record's row until the commit, and a slow flush must not hold it.
-        session.flush()
+        try:
+            session.flush()
+        except SQLAlchemyError as exc:
+            if not _is_disconnect(exc):
+                # The view's own data broke a constraint: its error, not a store outage.
+                _rollback_quietly(session)
+                raise ViewWriteFailed(_describe(exc)) from exc
+            raise
         row = session.execute(store.completion_statement(claim, response)).first()
         if row is None:
             session.rollback()
@@ -91,6 +104,12 @@ def commit(db: Any, store: DurableStore, claim: Claim, response: StoredResponse)
     finally:
         session.info.pop(_COMMITTING, None)
         session.info.pop(_OWNED, None)
+
+
+def _is_disconnect(exc: SQLAlchemyError) -> bool:
+    return isinstance(exc, (OperationalError, InterfaceError)) or bool(
+        getattr(exc, "connection_invalidated", False)
+    )
 
 
 def abandon(db: Any) -> None:
