@@ -112,11 +112,22 @@ def before_request() -> Response | None:
 
 
 def _route_options() -> RouteOptions | None:
+    """The ``@idempotent`` options of the view this request goes to, if it is protected.
+
+    The mark sits on the registered view function, or, for a class-based view,
+    on the handler method of the request's method (``MethodView.post``).
+    """
     endpoint = request.endpoint
     if endpoint is None:
         return None
     view = current_app.view_functions.get(endpoint)
-    return getattr(view, ROUTE_OPTIONS_ATTR, None)
+    options: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
+    if options is None:
+        view_class = getattr(view, "view_class", None)
+        if view_class is not None:
+            handler = getattr(view_class, request.method.lower(), None)
+            options = getattr(handler, ROUTE_OPTIONS_ATTR, None)
+    return options
 
 
 def _decide(decision: _Decision) -> Response | None:

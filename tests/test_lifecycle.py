@@ -1347,11 +1347,6 @@ def test_class_based_view_with_decorators(make_app) -> None:
     assert calls == ["post"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: @idempotent on a MethodView method is silently ignored: lifecycle."
-    "_route_options only looks at app.view_functions[endpoint], not at view.view_class.<method>",
-)
 def test_idempotent_on_a_method_view_method_protects_it(make_app) -> None:
     app, _ = make_app()
     calls: list[str] = []
