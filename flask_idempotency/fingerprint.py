@@ -89,8 +89,10 @@ def _hash_body(request: Request, body: Any) -> None:
         body.update(_canonical_fields(request, with_files=False))
     elif mimetype == "multipart/form-data":
         # Spool the raw body (memory, then disk) and parse the form from the spool,
-        # then rewind it, so the view can read the exact bytes too (X18).
-        _spool_stream(request, None)
+        # then rewind it, so the view can read the exact bytes too (X18). A form an
+        # earlier hook already parsed has consumed the stream: the fields still count.
+        if "form" not in request.__dict__:
+            _spool_stream(request, None)
         body.update(b"multipart:")
         body.update(_canonical_fields(request, with_files=True))
         _rewind_spool(request)
@@ -143,8 +145,6 @@ def _spool_stream(request: Request, body: Any | None) -> None:
         if body is not None:
             body.update(cached)
         return
-    if "form" in request.__dict__:
-        return  # already parsed (and the stream consumed) before this layer ran
     stream = request.stream
     # Not a context manager: the spool outlives this call, closed with the request.
     spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY)  # noqa: SIM115
