@@ -52,19 +52,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sqlalchemy import create_engine, select, text  # noqa: E402
-from sqlalchemy.dialects import postgresql  # noqa: E402
-from sqlalchemy.engine import URL, make_url  # noqa: E402
-from werkzeug.test import EnvironBuilder  # noqa: E402
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import URL, make_url
+from werkzeug.test import EnvironBuilder
 
-from bench.benchapp import asyncpg_url, create_app  # noqa: E402
-from flask_idempotency.extension import create_store_engine  # noqa: E402
-from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest  # noqa: E402
-from flask_idempotency.records import IN_PROGRESS  # noqa: E402
-from flask_idempotency.store import DurableStore  # noqa: E402
-from flask_idempotency.table import db_now_ms  # noqa: E402
-from tests.support.gunicorn import GunicornServer  # noqa: E402
-from tests.support.redis_server import RedisServer  # noqa: E402
+from bench.benchapp import asyncpg_url, create_app
+from flask_idempotency.extension import create_store_engine
+from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
+from flask_idempotency.records import IN_PROGRESS
+from flask_idempotency.store import DurableStore
+from flask_idempotency.table import db_now_ms
+from tests.support.gunicorn import GunicornServer
+from tests.support.redis_server import RedisServer
 
 RESULTS = REPO / "bench" / "results"
 BODY = json.dumps({"amount_cents": 1999, "currency": "EUR", "customer": "cus_42"}).encode()
@@ -767,23 +767,27 @@ def write_markdown(
         "",
         f"Run {meta['date']} by `make bench` (`bench/run.py`), {meta['seconds']:.0f} s in all.",
         "",
-        f"**Machine:** {v['cpu']}, {v['cores']} cores, Linux {v['kernel']}; Python {v['python']},"
+        (f"**Machine:** {v['cpu']}, {v['cores']} cores, Linux {v['kernel']}; Python {v['python']},"
         f" PostgreSQL {v['postgresql']}, Redis {v['redis']}; Flask {v['flask']}, SQLAlchemy {v['sqlalchemy']},"
-        f" redis-py {v['redis-py']}, gunicorn {v['gunicorn']}, idemkit {v['idemkit']}.",
-        f"Shared and noisy: load average {meta['load_before']} before, {meta['load_after']} after"
-        " (other test suites ran at the same time).",
+        f" redis-py {v['redis-py']}, gunicorn {v['gunicorn']}, idemkit {v['idemkit']}."),
+        (f"Shared and noisy: load average {meta['load_before']} before, {meta['load_after']} after"
+        " (other test suites ran at the same time)."),
         "",
-        f"**Noise:** the bare route's p50 ranged {min(bare['round_p50_us']):.0f}–{max(bare['round_p50_us']):.0f} µs"
+        (f"**Noise:** the bare route's p50 ranged {min(bare['round_p50_us']):.0f}–{max(bare['round_p50_us']):.0f} µs"
         f" across {meta['rounds']} rounds (spread {bare['p50_spread_pct']:.0f}% of its median)."
         " Each ratio is the median over rounds of (path p50 / bare p50 in the same round); its range"
-        " over the rounds is shown next to it.",
+        " over the rounds is shown next to it."),
+        "",
+        "## Targets",
+        "",
+        *target_lines(by, http_rows, wake, floor_redis, floor_first),
         "",
         "## 1. In-process latency (WSGI call, same harness for every path)",
         "",
-        f"{meta['rounds']} interleaved rounds × {meta['per_round']} requests per path (shuffled order each round)."
+        (f"{meta['rounds']} interleaved rounds × {meta['per_round']} requests per path (shuffled order each round)."
         " p50 = median of the per-round medians; p99 = over all rounds' samples."
         " PostgreSQL is the durable store for every path of ours; replays from Redis read"
-        " the cached copy of a completed record.",
+        " the cached copy of a completed record."),
         "",
         "| library | path | p50 µs | p99 µs | ratio to bare p50 | ratio range (rounds) | p50 spread | target |",
         "|---|---|---:|---:|---:|---:|---:|---|",
@@ -800,9 +804,9 @@ def write_markdown(
         )
     lines += [
         "",
-        f"Floor on this machine, same run: bare + one Redis GET = **{floor_redis:.2f}×** bare"
+        (f"Floor on this machine, same run: bare + one Redis GET = **{floor_redis:.2f}×** bare"
         f" (the least a replay from Redis can cost); bare + one upsert+commit = **{floor_first:.2f}×**"
-        " (a first execution also needs a second statement, the fenced completion).",
+        " (a first execution also needs a second statement, the fenced completion)."),
         "",
         "Records for the lookup rows: " + ", ".join(
             f"{k[5:]}: {n['rows']:,} rows loaded in {n['seconds']} s"
@@ -819,10 +823,10 @@ def write_markdown(
         lines.append("Not run (`--inprocess-only`).")
     else:
         lines += [
-            f"Sequential requests on one keep-alive connection per path, {meta['rounds']} interleaved rounds ×"
+            (f"Sequential requests on one keep-alive connection per path, {meta['rounds']} interleaved rounds ×"
             f" {meta['http_per_round']} requests; the servers of §3 ({meta['workers']} workers ×"
             f" {meta['threads']} threads). The bare route here includes the HTTP round trip and gunicorn,"
-            " which is what a client compares against.",
+            " which is what a client compares against."),
             "",
             "| library | path | p50 µs | p99 µs | ratio to bare p50 | ratio range (rounds) | p50 spread | target |",
             "|---|---|---:|---:|---:|---:|---:|---|",
@@ -842,12 +846,12 @@ def write_markdown(
         "",
         "## 3. Wake-up latency of parked duplicates (gunicorn)",
         "",
-        f"gunicorn, {meta['workers']} workers × {meta['threads']} threads (gthread), one server per library, all up at"
+        (f"gunicorn, {meta['workers']} workers × {meta['threads']} threads (gthread), one server per library, all up at"
         f" once, trials interleaved. Each of {meta['wake_trials']} trials: an original that sleeps 300 ms, then"
         f" {meta['wake_duplicates']} duplicates sent 100 ms after it on fresh connections; figure = time from the"
         " original's response to each duplicate's response, at the client. Negative = the duplicate was"
         " answered before the original's own response reached the client. Cross-worker = answered by"
-        " another worker than the original (the wake-up crossed processes).",
+        " another worker than the original (the wake-up crossed processes)."),
         "",
         "| library, backend | duplicates | replayed | cross-worker | p50 ms (cross-worker) | p99 ms (cross-worker) | p50 ms (all) | p99 ms (all) | max ms | target p50 ≤ 5, p99 ≤ 25 |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -870,11 +874,11 @@ def write_markdown(
         lines.append("Not run: `--inprocess-only`, or `wrk` is not installed (`apt-get install -y wrk`).")
     else:
         lines += [
-            f"Same servers. wrk -t2 -c{meta['wrk_connections']}, {meta['wrk_seconds']:g} s per cell,"
+            (f"Same servers. wrk -t2 -c{meta['wrk_connections']}, {meta['wrk_seconds']:g} s per cell,"
             f" {meta['wrk_rounds']} interleaved rounds (shuffled). Replay-heavy mix:"
             f" {100 - meta['new_share'] * 100:.0f}% replays of {meta['replay_keys']} stored keys,"
             f" {meta['new_share'] * 100:.0f}% new keys. The client shares the 2 cores with the servers."
-            " Ratio = requests/s over the bare route's requests/s (our server, no key) in the same round.",
+            " Ratio = requests/s over the bare route's requests/s (our server, no key) in the same round."),
             "",
             "| library, backend | load | req/s (median) | ratio to bare | ratio range (rounds) | p50 ms | p99 ms | non-2xx | socket errors |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -891,18 +895,59 @@ def write_markdown(
         "",
         "## Notes",
         "",
-        "- idemkit runs as its WSGI middleware around the same Flask app (it has no per-view Flask"
+        ("- idemkit runs as its WSGI middleware around the same Flask app (it has no per-view Flask"
         " integration); its Redis backend is Redis-only (no durable store), its PostgreSQL backend has no"
         " cache tier. Its bare row is the same unprotected route, which still passes through its"
-        " middleware (body buffered, one hop to its background event loop).",
-        "- idemkit does not cache 204 and releases oversized responses; neither case is exercised here"
-        " (every path answers 201 with a small JSON body).",
+        " middleware (body buffered, one hop to its background event loop)."),
+        ("- idemkit does not cache 204 and releases oversized responses; neither case is exercised here"
+        " (every path answers 201 with a small JSON body)."),
         "- Figures are from this one run on this machine; rerun `make bench` to reproduce.",
         "",
     ]
     markdown = "\n".join(lines)
     out.write_text(markdown)
     return markdown
+
+
+def target_lines(
+    by: dict[str, dict[str, Any]],
+    http_rows: list[dict[str, Any]],
+    wake: dict[str, Any],
+    floor_redis: float,
+    floor_first: float,
+) -> list[str]:
+    """One line per target of the issue: the figure, where it was measured, met or missed."""
+    http = {row["name"]: row for row in http_rows}
+    replay, first, first_pg = by["replay-redis"], by["first-redis"], by["first-pg"]
+    lines = [
+        f"- Replay from Redis ≤ {TARGET_REPLAY_REDIS}× bare: in-process {replay['ratio']:.2f}×"
+        f" ({verdict(replay['ratio'] <= TARGET_REPLAY_REDIS)}; this machine's floor, bare + one Redis"
+        f" GET, is {floor_redis:.2f}×)"
+        + (
+            f"; over HTTP {http['http-replay-redis']['ratio']:.2f}×"
+            f" ({verdict(http['http-replay-redis']['ratio'] <= TARGET_REPLAY_REDIS)})."
+            if http
+            else "."
+        ),
+        f"- First execution ≤ {TARGET_FIRST}× bare: in-process {first['ratio']:.2f}× with Redis,"
+        f" {first_pg['ratio']:.2f}× PostgreSQL only ({verdict(first['ratio'] <= TARGET_FIRST)};"
+        f" floor, bare + one upsert+commit, is {floor_first:.2f}×: the commit's WAL flush dominates)"
+        + (
+            f"; over HTTP {http['http-first-redis']['ratio']:.2f}×"
+            f" ({verdict(http['http-first-redis']['ratio'] <= TARGET_FIRST)})."
+            if http
+            else "."
+        ),
+    ]
+    ours = wake.get("ours")
+    if ours and ours["cross_p50_ms"] is not None:
+        ok = ours["cross_p50_ms"] <= TARGET_WAKE_P50_MS and ours["cross_p99_ms"] <= TARGET_WAKE_P99_MS
+        lines.append(
+            f"- Wake-up of parked duplicates p50 ≤ {TARGET_WAKE_P50_MS:g} ms, p99 ≤ {TARGET_WAKE_P99_MS:g} ms"
+            f" (cross-worker): p50 {ours['cross_p50_ms']:.1f} ms, p99 {ours['cross_p99_ms']:.1f} ms"
+            f" ({verdict(ok)})."
+        )
+    return lines
 
 
 def plot(out: Path, inproc: list[dict[str, Any]], throughput: dict[str, Any] | None) -> None:
@@ -995,7 +1040,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--per-round", type=int, default=300)
     parser.add_argument("--big-rows", type=int, default=1_000_000)
-    parser.add_argument("--wake-trials", type=int, default=30)
+    parser.add_argument("--wake-trials", type=int, default=40)
     parser.add_argument("--wrk-rounds", type=int, default=3)
     parser.add_argument("--wrk-seconds", type=float, default=4.0)
     parser.add_argument("--http-per-round", type=int, default=60)
@@ -1011,7 +1056,7 @@ def main() -> int:
 
     started = time.monotonic()
     meta: dict[str, Any] = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "load_before": loadavg(),
         "rounds": args.rounds,
         "per_round": args.per_round,
