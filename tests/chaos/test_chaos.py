@@ -457,7 +457,8 @@ def test_postgres_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
         assert not unexplained, f"seed {seed}: {key} ran twice with no store failure between: {rows}"
         if not key.startswith("flow-"):
             assert len(rows) == 1, f"seed {seed}: {key} ran {len(rows)} times: {rows}"
-        assert rows[-1].outcome == "stored", f"seed {seed}: {key}: {rows}"
+        # "store-error:complete" last: the completion committed but its reply was cut off.
+        assert rows[-1].outcome in ("stored", "store-error:complete"), f"seed {seed}: {key}: {rows}"
         record = rig.store.get(digest(key))
         assert record is not None and record.state == COMPLETED, f"seed {seed}: {key}: {record}"
 
