@@ -349,7 +349,7 @@ def _store(own: Ownership, response: Response) -> Response:
     if own.options.atomic:
         return _store_atomic(own, response, stored)
     try:
-        expires_at_ms = state.store.complete(own.claim, stored)
+        expires_at_ms = _complete_with_retries(state, own.claim, stored)
     except StoreError as exc:
         # The view ran; its client still gets the answer. The claim stays until its
         # lease lapses, so a retry waits rather than running the view again at once.
@@ -361,6 +361,25 @@ def _store(own: Ownership, response: Response) -> Response:
         return response
     _completed(own, stored, expires_at_ms)
     return response
+
+
+#: Pauses between attempts to store a response while the database is unreachable.
+_COMPLETE_RETRY_PAUSES = (0.05, 0.2, 0.5)
+
+
+def _complete_with_retries(state: AppState, claim: Claim, stored: StoredResponse) -> int | None:
+    """Store the response, riding out a short database blip (a failover, a restart).
+
+    The view's effects already happened: if the response cannot be stored, a retry
+    after the lease would run the view a second time, so it is worth holding this
+    client's answer back a moment longer for a few more attempts.
+    """
+    for pause in _COMPLETE_RETRY_PAUSES:
+        try:
+            return state.store.complete(claim, stored)
+        except StoreError:
+            time.sleep(pause)
+    return state.store.complete(claim, stored)
 
 
 def _store_atomic(own: Ownership, response: Response, stored: StoredResponse) -> Response:

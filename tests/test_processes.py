@@ -252,3 +252,38 @@ def _app_without_table(uri: str, table: str, *, fail_open: bool) -> Any:
         IDEMPOTENCY_FAIL_OPEN=fail_open,
     )
     return app, Idempotency(app)
+
+
+def test_c25_response_survives_a_short_database_blip_after_the_view(
+    make_app: Any, pg_url: URL, pg_table: str
+) -> None:
+    """C25/C15: the database drops right after the view ran and is back within a moment.
+
+    The view's effects already happened, so the layer retries storing its response
+    rather than leaving the claim to lapse (which would run the view again later).
+    """
+    proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
+    try:
+        proxied = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        app, _ = make_app({"IDEMPOTENCY_DATABASE_URI": proxied, "IDEMPOTENCY_TABLE": pg_table})
+        calls: list[int] = []
+
+        @app.post("/pay")
+        @idempotent
+        def pay():  # type: ignore[no-untyped-def]
+            calls.append(1)
+            proxy.cut()  # the network drops between the view and the completion ...
+            threading.Timer(0.3, proxy.restore).start()  # ... and is back shortly
+            return jsonify(n=len(calls)), 201
+
+        client = app.test_client()
+        first = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "blip"})
+        assert first.status_code == 201
+        replay = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "blip"})
+        assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+        assert replay.data == first.data and calls == [1]
+        direct = create_store_engine(pg_url.render_as_string(hide_password=False))
+        app.extensions["idempotency"].store.table.drop(direct, checkfirst=True)
+        direct.dispose()
+    finally:
+        proxy.stop()
