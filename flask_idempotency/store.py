@@ -75,6 +75,7 @@ class DurableStore:
         # construct per request cost more CPU than executing it (bench/run.py).
         self._claim_stmt: Any = None
         self._get_stmt: Any = None
+        self._complete_stmt: Any = None
 
     # -- engines -----------------------------------------------------------------
 
@@ -303,26 +304,57 @@ class DurableStore:
 
     def complete(self, claim: Claim, response: StoredResponse) -> int | None:
         """Store the response and mark the record completed; ``None`` if the lease was lost (C14)."""
-        stmt = self.completion_statement(claim, response)
-        row = self._run(lambda c: c.execute(stmt).first())
+        stmt = self._complete_stmt
+        if stmt is None:
+            t = self.table
+            stmt = self._complete_stmt = self._completion(
+                bindparam("p_record_id", type_=t.c.id.type),
+                bindparam("p_lock_token", type_=t.c.lock_token.type),
+                bindparam("p_status", type_=t.c.response_status.type),
+                bindparam("p_headers", type_=t.c.response_headers.type),
+                bindparam("p_body", type_=t.c.response_body.type),
+                bindparam("p_body_omitted", type_=t.c.body_omitted.type),
+            )
+        params = {
+            "p_record_id": claim.record_id,
+            "p_lock_token": claim.lock_token,
+            "p_status": response.status,
+            "p_headers": response.headers_json(),
+            "p_body": response.body,
+            "p_body_omitted": response.body_omitted,
+        }
+        row = self._run(lambda c: c.execute(stmt, params).first())
         return None if row is None else int(row.expires_at_ms)
 
     def completion_statement(self, claim: Claim, response: StoredResponse) -> Any:
         """The fenced UPDATE that completes a record, returning its expiry.
 
-        Run on its own by :meth:`complete`, or inside the view's transaction in
-        atomic mode, where it also locks the row until that transaction commits.
+        Run inside the view's transaction in atomic mode, where it also locks the
+        row until that transaction commits; :meth:`complete` runs the same UPDATE
+        built once, with these values as parameters.
         """
+        return self._completion(
+            claim.record_id,
+            claim.lock_token,
+            response.status,
+            response.headers_json(),
+            response.body,
+            response.body_omitted,
+        )
+
+    def _completion(
+        self, record_id: Any, lock_token: Any, status: Any, headers: Any, body: Any, omitted: Any
+    ) -> Any:
         t = self.table
         return (
             update(t)
-            .where(t.c.id == claim.record_id, t.c.lock_token == claim.lock_token)
+            .where(t.c.id == record_id, t.c.lock_token == lock_token)
             .values(
                 state=COMPLETED,
-                response_status=response.status,
-                response_headers=response.headers_json(),
-                response_body=response.body,
-                body_omitted=response.body_omitted,
+                response_status=status,
+                response_headers=headers,
+                response_body=body,
+                body_omitted=omitted,
                 completed_at_ms=db_now_ms(),
                 lock_token=None,
                 lease_expires_at_ms=None,
