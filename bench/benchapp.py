@@ -11,8 +11,8 @@ wires one of:
 
 Under gunicorn the same factory reads its arguments from the environment
 (``bench.benchapp:from_env()``). Every response names its worker
-(``X-Worker-Pid``) and, for our extension, whether it was parked (``X-Waited``),
-so the wake-up benchmark can tell cross-worker wake-ups from in-process ones.
+(``X-Worker-Pid``), so the wake-up benchmark can tell cross-worker wake-ups from
+in-process ones. Nothing else is added to any app: the bare route is the baseline.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flask import Flask, Response, g, jsonify, request
+from flask import Flask, Response, jsonify, request
 
-from flask_idempotency import Idempotency, idempotent, signals
+from flask_idempotency import Idempotency, idempotent
 
 PAYMENT = {"id": "pay_123", "amount_cents": 1999, "currency": "EUR", "status": "succeeded"}
 
@@ -41,6 +41,16 @@ def _view() -> tuple[Response, int]:
     return jsonify(PAYMENT), 201
 
 
+def _bare() -> tuple[Response, int]:
+    """The baseline route: never protected."""
+    return _view()
+
+
+def _pay() -> tuple[Response, int]:
+    """The protected route; a function of its own, since ``@idempotent`` marks the function."""
+    return _view()
+
+
 def create_app(
     mode: str,
     *,
@@ -52,7 +62,7 @@ def create_app(
     """The bench app in ``mode`` (see the module docstring)."""
     app = Flask(__name__)
     app.add_url_rule("/healthz", "healthz", lambda: "ok")
-    app.add_url_rule("/bare", "bare", _view, methods=["POST"])
+    app.add_url_rule("/bare", "bare", _bare, methods=["POST"])
     if mode == "ours":
         app.config.update(
             IDEMPOTENCY_DATABASE_URI=database_url,
@@ -61,11 +71,10 @@ def create_app(
         )
         if redis_url:
             app.config["IDEMPOTENCY_REDIS_URL"] = redis_url
-        app.add_url_rule("/pay", "pay", idempotent(_view), methods=["POST"])
+        app.add_url_rule("/pay", "pay", idempotent(_pay), methods=["POST"])
         Idempotency(app)
-        _mark_waits(app)
     else:
-        app.add_url_rule("/pay", "pay", _view, methods=["POST"])
+        app.add_url_rule("/pay", "pay", _pay, methods=["POST"])
         if mode.startswith("idemkit"):
             app.wsgi_app = _idemkit(app.wsgi_app, mode, database_url, redis_url, table, wait)  # type: ignore[method-assign]
         elif mode != "plain":
@@ -86,7 +95,12 @@ def from_env() -> Flask:
 
 
 def _idemkit(
-    wsgi_app: Any, mode: str, database_url: str | None, redis_url: str | None, table: str, wait: float
+    wsgi_app: Any,
+    mode: str,
+    database_url: str | None,
+    redis_url: str | None,
+    table: str,
+    wait: float,
 ) -> Any:
     """idemkit's WSGI middleware, configured like our defaults where it can be."""
     from idemkit import HttpConfig, WSGIIdempotencyMiddleware
@@ -115,26 +129,15 @@ def asyncpg_url(sqlalchemy_url: str) -> str:
     return "postgresql://" + rest if scheme.startswith("postgresql") else sqlalchemy_url
 
 
-def _mark_waits(app: Flask) -> None:
-    @signals.request_waited.connect_via(app, weak=False)
-    def note_the_wait(sender: Flask, **extra: Any) -> None:
-        g.bench_waited = extra["outcome"]
-
-    @app.after_request
-    def say_it(response: Response) -> Response:
-        waited = g.get("bench_waited")
-        if waited is not None:
-            response.headers["X-Waited"] = waited
-        return response
-
-
 class _NameTheWorker:
     """Outermost WSGI layer: adds ``X-Worker-Pid``, also to answers idemkit sends itself."""
 
     def __init__(self, app: Callable[..., Iterable[bytes]]) -> None:
         self.app = app
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def __call__(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
         pid = str(os.getpid())  # after a fork the worker's own pid
 
         def named(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:

@@ -1,3 +1,4 @@
+# ruff: noqa: E501 - Markdown prose and table rows of the report read better unbroken
 """``make bench``: what Flask-Idempotency costs, as ratios to a bare Flask route.
 
     .venv/bin/python bench/run.py [--rounds 7] [--per-round 300] [--quick]
@@ -52,19 +53,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sqlalchemy import create_engine, select, text
-from sqlalchemy.dialects import postgresql
-from sqlalchemy.engine import URL, make_url
-from werkzeug.test import EnvironBuilder
+from sqlalchemy import create_engine, select, text  # noqa: E402
+from sqlalchemy.dialects import postgresql  # noqa: E402
+from sqlalchemy.engine import URL, make_url  # noqa: E402
+from werkzeug.test import EnvironBuilder  # noqa: E402
 
-from bench.benchapp import asyncpg_url, create_app
-from flask_idempotency.extension import create_store_engine
-from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
-from flask_idempotency.records import IN_PROGRESS
-from flask_idempotency.store import DurableStore
-from flask_idempotency.table import db_now_ms
-from tests.support.gunicorn import GunicornServer
-from tests.support.redis_server import RedisServer
+from bench.benchapp import asyncpg_url, create_app  # noqa: E402
+from flask_idempotency.extension import create_store_engine  # noqa: E402
+from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest  # noqa: E402
+from flask_idempotency.records import IN_PROGRESS  # noqa: E402
+from flask_idempotency.store import DurableStore  # noqa: E402
+from flask_idempotency.table import db_now_ms  # noqa: E402
+from tests.support.gunicorn import GunicornServer  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 BODY = json.dumps({"amount_cents": 1999, "currency": "EUR", "customer": "cus_42"}).encode()
@@ -181,7 +182,9 @@ def fill_records(store: DurableStore, template_digest: str, rows: int) -> float:
              (SELECT * FROM {t} WHERE key_digest = :template) AS r
     """
     with store.engine.begin() as conn:
-        conn.execute(text(sql), {"scope": ANONYMOUS_SCOPE, "rows": rows, "template": template_digest})
+        conn.execute(
+            text(sql), {"scope": ANONYMOUS_SCOPE, "rows": rows, "template": template_digest}
+        )
     with store.autocommit.connect() as conn:
         conn.execute(text(f"VACUUM ANALYZE {t}"))
         probe = key_digest(ANONYMOUS_SCOPE, f"lk-{rows}")
@@ -204,7 +207,9 @@ class WsgiCaller:
         self.status = ""
         self.headers: list[tuple[str, str]] = []
 
-    def _start_response(self, status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+    def _start_response(
+        self, status: str, headers: list[tuple[str, str]], exc_info: Any = None
+    ) -> Any:
         self.status, self.headers = status, headers
         return lambda data: None
 
@@ -244,7 +249,12 @@ class Path_:
 
 
 def wsgi_path(
-    name: str, label: str, library: str, caller: WsgiCaller, keys: Callable[[], str | None], replay: bool | None
+    name: str,
+    label: str,
+    library: str,
+    caller: WsgiCaller,
+    keys: Callable[[], str | None],
+    replay: bool | None,
 ) -> Path_:
     def check() -> None:
         assert caller.status.startswith("201"), f"{name}: got {caller.status}"
@@ -279,7 +289,12 @@ def build_inprocess_paths(
 
     # The records the replay paths replay, stored by a first request each.
     fixed = {}
-    for name, app in (("ours_redis", ours_redis), ("ours_pg", ours_pg), ("ik_redis", ik_redis), ("ik_pg", ik_pg)):
+    for name, app in (
+        ("ours_redis", ours_redis),
+        ("ours_pg", ours_pg),
+        ("ik_redis", ik_redis),
+        ("ik_pg", ik_pg),
+    ):
         fixed[name] = f"replay-{name}-{uuid.uuid4().hex[:8]}"
         caller = WsgiCaller(app, "/pay")
         caller(fixed[name])
@@ -298,17 +313,94 @@ def build_inprocess_paths(
 
     rng = random.Random(1)
     paths = [
-        wsgi_path("bare", "bare route (same app, no key)", "Flask", WsgiCaller(ours_redis, "/bare"), lambda: None, False),
-        wsgi_path("bare-plain", "bare route, app without any idempotency", "Flask", WsgiCaller(plain, "/bare"), lambda: None, False),
-        wsgi_path("replay-redis", "replay from Redis", OURS, WsgiCaller(ours_redis, "/pay"), lambda: fixed["ours_redis"], True),
-        wsgi_path("replay-pg", "replay from PostgreSQL (no Redis)", OURS, WsgiCaller(ours_pg, "/pay"), lambda: fixed["ours_pg"], True),
-        wsgi_path("first-redis", "first execution, PostgreSQL + Redis", OURS, WsgiCaller(ours_redis, "/pay"), counter_keys("new-r"), False),
-        wsgi_path("first-pg", "first execution, PostgreSQL only", OURS, WsgiCaller(ours_pg, "/pay"), counter_keys("new-p"), False),
-        wsgi_path("ik-bare", "bare route through its middleware (no key)", IDEMKIT, WsgiCaller(ik_redis, "/bare"), lambda: None, False),
-        wsgi_path("ik-replay-redis", "replay, Redis backend", IDEMKIT, WsgiCaller(ik_redis, "/pay"), lambda: fixed["ik_redis"], True),
-        wsgi_path("ik-replay-pg", "replay, PostgreSQL backend", IDEMKIT, WsgiCaller(ik_pg, "/pay"), lambda: fixed["ik_pg"], True),
-        wsgi_path("ik-first-redis", "first execution, Redis backend", IDEMKIT, WsgiCaller(ik_redis, "/pay"), counter_keys("ikn-r"), False),
-        wsgi_path("ik-first-pg", "first execution, PostgreSQL backend", IDEMKIT, WsgiCaller(ik_pg, "/pay"), counter_keys("ikn-p"), False),
+        wsgi_path(
+            "bare",
+            "bare route (same app, no key)",
+            "Flask",
+            WsgiCaller(ours_redis, "/bare"),
+            lambda: None,
+            False,
+        ),
+        wsgi_path(
+            "bare-plain",
+            "bare route, app without any idempotency",
+            "Flask",
+            WsgiCaller(plain, "/bare"),
+            lambda: None,
+            False,
+        ),
+        wsgi_path(
+            "replay-redis",
+            "replay from Redis",
+            OURS,
+            WsgiCaller(ours_redis, "/pay"),
+            lambda: fixed["ours_redis"],
+            True,
+        ),
+        wsgi_path(
+            "replay-pg",
+            "replay from PostgreSQL (no Redis)",
+            OURS,
+            WsgiCaller(ours_pg, "/pay"),
+            lambda: fixed["ours_pg"],
+            True,
+        ),
+        wsgi_path(
+            "first-redis",
+            "first execution, PostgreSQL + Redis",
+            OURS,
+            WsgiCaller(ours_redis, "/pay"),
+            counter_keys("new-r"),
+            False,
+        ),
+        wsgi_path(
+            "first-pg",
+            "first execution, PostgreSQL only",
+            OURS,
+            WsgiCaller(ours_pg, "/pay"),
+            counter_keys("new-p"),
+            False,
+        ),
+        wsgi_path(
+            "ik-bare",
+            "bare route through its middleware (no key)",
+            IDEMKIT,
+            WsgiCaller(ik_redis, "/bare"),
+            lambda: None,
+            False,
+        ),
+        wsgi_path(
+            "ik-replay-redis",
+            "replay, Redis backend",
+            IDEMKIT,
+            WsgiCaller(ik_redis, "/pay"),
+            lambda: fixed["ik_redis"],
+            True,
+        ),
+        wsgi_path(
+            "ik-replay-pg",
+            "replay, PostgreSQL backend",
+            IDEMKIT,
+            WsgiCaller(ik_pg, "/pay"),
+            lambda: fixed["ik_pg"],
+            True,
+        ),
+        wsgi_path(
+            "ik-first-redis",
+            "first execution, Redis backend",
+            IDEMKIT,
+            WsgiCaller(ik_redis, "/pay"),
+            counter_keys("ikn-r"),
+            False,
+        ),
+        wsgi_path(
+            "ik-first-pg",
+            "first execution, PostgreSQL backend",
+            IDEMKIT,
+            WsgiCaller(ik_pg, "/pay"),
+            counter_keys("ikn-p"),
+            False,
+        ),
     ]
     for table, label in (("idem_small", "1k"), ("idem_big", "1M")):
         app, rows = scale_apps[table]
@@ -345,9 +437,16 @@ def build_inprocess_paths(
         stmt = (
             postgresql.insert(t)
             .values(
-                key_digest=digest, scope=ANONYMOUS_SCOPE, fingerprint="0" * 64, method="POST",
-                path="/pay", state=IN_PROGRESS, lock_token=uuid.uuid4().hex, created_at_ms=now,
-                expires_at_ms=now + 86_400_000, lease_expires_at_ms=now + 60_000,
+                key_digest=digest,
+                scope=ANONYMOUS_SCOPE,
+                fingerprint="0" * 64,
+                method="POST",
+                path="/pay",
+                state=IN_PROGRESS,
+                lock_token=uuid.uuid4().hex,
+                created_at_ms=now,
+                expires_at_ms=now + 86_400_000,
+                lease_expires_at_ms=now + 60_000,
             )
             .on_conflict_do_nothing(index_elements=[t.c.key_digest])
             .returning(t.c.id, t.c.expires_at_ms)
@@ -366,8 +465,18 @@ def build_inprocess_paths(
 
     paths += [
         Path_("floor-redis-get", "floor: one Redis GET (redis-py)", "floor", redis_get),
-        Path_("floor-pg-upsert", "floor: one PostgreSQL upsert + commit (SQLAlchemy)", "floor", pg_upsert),
-        Path_("floor-pg-select", "floor: one PostgreSQL SELECT by key (SQLAlchemy)", "floor", pg_select),
+        Path_(
+            "floor-pg-upsert",
+            "floor: one PostgreSQL upsert + commit (SQLAlchemy)",
+            "floor",
+            pg_upsert,
+        ),
+        Path_(
+            "floor-pg-select",
+            "floor: one PostgreSQL SELECT by key (SQLAlchemy)",
+            "floor",
+            pg_select,
+        ),
     ]
     backends = [ik_redis.wsgi_app.app.backend, ik_pg.wsgi_app.app.backend]
     return paths, notes, backends
@@ -382,7 +491,12 @@ def close_idemkit(backends: list[Any]) -> None:
 
 
 def run_inprocess(
-    paths: list[Path_], rounds: int, per_round: int, warmup: int, block_seconds: float, what: str = "in-process"
+    paths: list[Path_],
+    rounds: int,
+    per_round: int,
+    warmup: int,
+    block_seconds: float,
+    what: str = "in-process",
 ) -> None:
     """Warm every path up (checking its answers), then ``rounds`` interleaved rounds."""
     for path in paths:
@@ -417,7 +531,7 @@ def percentile(values: list[float], q: float) -> float:
 def summarise(path: Path_, baseline: Path_) -> dict[str, Any]:
     per_round_p50 = [statistics.median(block) / 1000 for block in path.samples]  # µs
     base_p50 = [statistics.median(block) / 1000 for block in baseline.samples]
-    ratios = [p / b for p, b in zip(per_round_p50, base_p50)]
+    ratios = [p / b for p, b in zip(per_round_p50, base_p50, strict=False)]
     pooled = [v / 1000 for block in path.samples for v in block]
     p50 = statistics.median(per_round_p50)
     return {
@@ -438,7 +552,14 @@ def summarise(path: Path_, baseline: Path_) -> dict[str, Any]:
 # -- gunicorn: wake-up latency and throughput ---------------------------------------------
 
 
-def post(port: int, key: str | None, *, path: str = "/pay", sleep: float | None = None, timeout: float = 20) -> tuple[float, int, dict[str, str]]:
+def post(
+    port: int,
+    key: str | None,
+    *,
+    path: str = "/pay",
+    sleep: float | None = None,
+    timeout: float = 20,
+) -> tuple[float, int, dict[str, str]]:
     """One request on a fresh connection (so gunicorn may give it to any worker)."""
     headers = {"Content-Type": "application/json"}
     if key is not None:
@@ -481,7 +602,10 @@ class KeepAlive:
         self.last_used = time.monotonic()
         assert response.status == 201, (path, response.status)
         if expect_replay is not None:
-            replayed = (response.getheader("Idempotent-Replayed") or response.getheader("Idempotency-Replayed")) == "true"
+            replayed = (
+                response.getheader("Idempotent-Replayed")
+                or response.getheader("Idempotency-Replayed")
+            ) == "true"
             assert replayed == expect_replay, (path, key, replayed)
         return elapsed
 
@@ -495,7 +619,15 @@ def build_http_paths(servers: list[Server]) -> tuple[list[Path_], list[KeepAlive
     clients: list[KeepAlive] = []
     paths: list[Path_] = []
 
-    def add(name: str, label: str, library: str, server: str, path: str, keys: Callable[[], str | None], replay: bool | None) -> None:
+    def add(
+        name: str,
+        label: str,
+        library: str,
+        server: str,
+        path: str,
+        keys: Callable[[], str | None],
+        replay: bool | None,
+    ) -> None:
         client = KeepAlive(by_key[server].gunicorn.port)
         clients.append(client)
         paths.append(Path_(name, label, library, lambda: client(path, keys(), replay)))
@@ -504,13 +636,61 @@ def build_http_paths(servers: list[Server]) -> tuple[list[Path_], list[KeepAlive
     for server in servers:
         fixed[server.key] = f"http-replay-{uuid.uuid4().hex[:8]}"
         post(server.gunicorn.port, fixed[server.key])
-    add("http-bare", "bare route (same server, no key)", "Flask", "ours", "/bare", lambda: None, False)
+    add(
+        "http-bare",
+        "bare route (same server, no key)",
+        "Flask",
+        "ours",
+        "/bare",
+        lambda: None,
+        False,
+    )
     add("http-replay-redis", "replay from Redis", OURS, "ours", "/pay", lambda: fixed["ours"], True)
-    add("http-first-redis", "first execution, PostgreSQL + Redis", OURS, "ours", "/pay", counter_keys("hn"), False)
-    add("http-ik-replay-redis", "replay, Redis backend", IDEMKIT, "ik-redis", "/pay", lambda: fixed["ik-redis"], True)
-    add("http-ik-first-redis", "first execution, Redis backend", IDEMKIT, "ik-redis", "/pay", counter_keys("hkr"), False)
-    add("http-ik-replay-pg", "replay, PostgreSQL backend", IDEMKIT, "ik-pg", "/pay", lambda: fixed["ik-pg"], True)
-    add("http-ik-first-pg", "first execution, PostgreSQL backend", IDEMKIT, "ik-pg", "/pay", counter_keys("hkp"), False)
+    add(
+        "http-first-redis",
+        "first execution, PostgreSQL + Redis",
+        OURS,
+        "ours",
+        "/pay",
+        counter_keys("hn"),
+        False,
+    )
+    add(
+        "http-ik-replay-redis",
+        "replay, Redis backend",
+        IDEMKIT,
+        "ik-redis",
+        "/pay",
+        lambda: fixed["ik-redis"],
+        True,
+    )
+    add(
+        "http-ik-first-redis",
+        "first execution, Redis backend",
+        IDEMKIT,
+        "ik-redis",
+        "/pay",
+        counter_keys("hkr"),
+        False,
+    )
+    add(
+        "http-ik-replay-pg",
+        "replay, PostgreSQL backend",
+        IDEMKIT,
+        "ik-pg",
+        "/pay",
+        lambda: fixed["ik-pg"],
+        True,
+    )
+    add(
+        "http-ik-first-pg",
+        "first execution, PostgreSQL backend",
+        IDEMKIT,
+        "ik-pg",
+        "/pay",
+        counter_keys("hkp"),
+        False,
+    )
     return paths, clients
 
 
@@ -522,7 +702,9 @@ class WakeSample:
     ok: bool
 
 
-def wake_trial(library: str, port: int, duplicates: int, original_sleep: float, head_start: float) -> list[WakeSample]:
+def wake_trial(
+    library: str, port: int, duplicates: int, original_sleep: float, head_start: float
+) -> list[WakeSample]:
     """A slow original, then ``duplicates`` copies while it runs; each one's delay after it."""
     key = f"wake-{uuid.uuid4().hex}"
     original: dict[str, Any] = {}
@@ -552,7 +734,10 @@ def wake_trial(library: str, port: int, duplicates: int, original_sleep: float, 
     for answer in answers:
         assert answer is not None
         t, dup_status, dup_headers = answer
-        replayed = dup_headers.get("idempotent-replayed") == "true" or dup_headers.get("idempotency-replayed") == "true"
+        replayed = (
+            dup_headers.get("idempotent-replayed") == "true"
+            or dup_headers.get("idempotency-replayed") == "true"
+        )
         samples.append(
             WakeSample(
                 library,
@@ -603,16 +788,38 @@ end
 """
 
 
-def wrk_run(script: Path, port: int, mode: str, seconds: float, connections: int, replay_keys: int, new_share: float) -> dict[str, Any]:
+def wrk_run(
+    script: Path,
+    port: int,
+    mode: str,
+    seconds: float,
+    connections: int,
+    replay_keys: int,
+    new_share: float,
+) -> dict[str, Any]:
     command = [
-        "wrk", "-t2", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "10s",
-        "-s", str(script), f"http://127.0.0.1:{port}",
-        "--", mode, f"k{uuid.uuid4().hex[:8]}", str(replay_keys), str(new_share), BODY.decode(),
+        "wrk",
+        "-t2",
+        f"-c{connections}",
+        f"-d{seconds:g}s",
+        "--timeout",
+        "10s",
+        "-s",
+        str(script),
+        f"http://127.0.0.1:{port}",
+        "--",
+        mode,
+        f"k{uuid.uuid4().hex[:8]}",
+        str(replay_keys),
+        str(new_share),
+        BODY.decode(),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 30, check=False)
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=seconds + 30, check=False
+    )
     for line in done.stdout.splitlines():
         if line.startswith("WRKJSON "):
-            result: dict[str, Any] = json.loads(line[len("WRKJSON "):])
+            result: dict[str, Any] = json.loads(line[len("WRKJSON ") :])
             result["rps"] = result["requests"] / (result["duration_us"] / 1e6)
             return result
     raise RuntimeError(f"wrk gave no result: {done.stdout}\n{done.stderr}")
@@ -631,7 +838,12 @@ def start_servers(db_url: str, redis_url: str, workers: int, threads: int) -> li
     create_idemkit_table(db_url, "ik_gunicorn")
     specs = [
         ("ours", OURS, "ours", {"BENCH_TABLE": "idem_gunicorn", "REDIS_URL": redis_url}),
-        ("ik-redis", IDEMKIT, "idemkit-redis", {"BENCH_TABLE": "ik_gunicorn", "REDIS_URL": redis_url}),
+        (
+            "ik-redis",
+            IDEMKIT,
+            "idemkit-redis",
+            {"BENCH_TABLE": "ik_gunicorn", "REDIS_URL": redis_url},
+        ),
         ("ik-pg", IDEMKIT, "idemkit-pg", {"BENCH_TABLE": "ik_gunicorn"}),
     ]
     servers: list[Server] = []
@@ -688,7 +900,14 @@ def summarise_wake(samples: list[WakeSample]) -> dict[str, Any]:
     }
 
 
-def run_throughput(servers: list[Server], rounds: int, seconds: float, connections: int, replay_keys: int, new_share: float) -> dict[str, Any]:
+def run_throughput(
+    servers: list[Server],
+    rounds: int,
+    seconds: float,
+    connections: int,
+    replay_keys: int,
+    new_share: float,
+) -> dict[str, Any]:
     script = Path(tempfile.mkstemp(prefix="idem-bench-", suffix=".lua")[1])
     script.write_text(WRK_SCRIPT)
     try:
@@ -697,9 +916,16 @@ def run_throughput(servers: list[Server], rounds: int, seconds: float, connectio
                 _, status, _ = post(server.gunicorn.port, f"mix-{i}")
                 assert status == 201, (server.key, status)
         by_key = {s.key: s for s in servers}
-        cells = [("ours", "bare"), ("ours", "mix"), ("ours", "new"),
-                 ("ik-redis", "bare"), ("ik-redis", "mix"), ("ik-redis", "new"),
-                 ("ik-pg", "mix"), ("ik-pg", "new")]
+        cells = [
+            ("ours", "bare"),
+            ("ours", "mix"),
+            ("ours", "new"),
+            ("ik-redis", "bare"),
+            ("ik-redis", "mix"),
+            ("ik-redis", "new"),
+            ("ik-pg", "mix"),
+            ("ik-pg", "new"),
+        ]
         runs: dict[str, list[dict[str, Any]]] = {f"{s}:{m}": [] for s, m in cells}
         rng = random.Random(11)
         for r in range(rounds):
@@ -717,7 +943,7 @@ def run_throughput(servers: list[Server], rounds: int, seconds: float, connectio
     summary = {}
     for cell, results in runs.items():
         rps = [run["rps"] for run in results]
-        ratios = [x / b for x, b in zip(rps, base)]
+        ratios = [x / b for x, b in zip(rps, base, strict=False)]
         summary[cell] = {
             "rps": statistics.median(rps),
             "rps_rounds": rps,
@@ -758,7 +984,10 @@ def write_markdown(
     floor_redis = 1 + by["floor-redis-get"]["p50_us"] / bare["p50_us"]
     floor_first = 1 + by["floor-pg-upsert"]["p50_us"] / bare["p50_us"]
     targets = {
-        "replay-redis": (TARGET_REPLAY_REDIS, f"≤ {TARGET_REPLAY_REDIS}× (floor {floor_redis:.2f}×)"),
+        "replay-redis": (
+            TARGET_REPLAY_REDIS,
+            f"≤ {TARGET_REPLAY_REDIS}× (floor {floor_redis:.2f}×)",
+        ),
         "first-redis": (TARGET_FIRST, f"≤ {TARGET_FIRST}×"),
         "first-pg": (TARGET_FIRST, f"≤ {TARGET_FIRST}×"),
     }
@@ -767,16 +996,22 @@ def write_markdown(
         "",
         f"Run {meta['date']} by `make bench` (`bench/run.py`), {meta['seconds']:.0f} s in all.",
         "",
-        (f"**Machine:** {v['cpu']}, {v['cores']} cores, Linux {v['kernel']}; Python {v['python']},"
-        f" PostgreSQL {v['postgresql']}, Redis {v['redis']}; Flask {v['flask']}, SQLAlchemy {v['sqlalchemy']},"
-        f" redis-py {v['redis-py']}, gunicorn {v['gunicorn']}, idemkit {v['idemkit']}."),
-        (f"Shared and noisy: load average {meta['load_before']} before, {meta['load_after']} after"
-        " (other test suites ran at the same time)."),
+        (
+            f"**Machine:** {v['cpu']}, {v['cores']} cores, Linux {v['kernel']}; Python {v['python']},"
+            f" PostgreSQL {v['postgresql']}, Redis {v['redis']}; Flask {v['flask']}, SQLAlchemy {v['sqlalchemy']},"
+            f" redis-py {v['redis-py']}, gunicorn {v['gunicorn']}, idemkit {v['idemkit']}."
+        ),
+        (
+            f"Shared and noisy: load average {meta['load_before']} before, {meta['load_after']} after"
+            " (other test suites ran at the same time)."
+        ),
         "",
-        (f"**Noise:** the bare route's p50 ranged {min(bare['round_p50_us']):.0f}–{max(bare['round_p50_us']):.0f} µs"
-        f" across {meta['rounds']} rounds (spread {bare['p50_spread_pct']:.0f}% of its median)."
-        " Each ratio is the median over rounds of (path p50 / bare p50 in the same round); its range"
-        " over the rounds is shown next to it."),
+        (
+            f"**Noise:** the bare route's p50 ranged {min(bare['round_p50_us']):.0f}–{max(bare['round_p50_us']):.0f} µs"
+            f" across {meta['rounds']} rounds (spread {bare['p50_spread_pct']:.0f}% of its median)."
+            " Each ratio is the median over rounds of (path p50 / bare p50 in the same round); its range"
+            " over the rounds is shown next to it."
+        ),
         "",
         "## Targets",
         "",
@@ -784,10 +1019,12 @@ def write_markdown(
         "",
         "## 1. In-process latency (WSGI call, same harness for every path)",
         "",
-        (f"{meta['rounds']} interleaved rounds × {meta['per_round']} requests per path (shuffled order each round)."
-        " p50 = median of the per-round medians; p99 = over all rounds' samples."
-        " PostgreSQL is the durable store for every path of ours; replays from Redis read"
-        " the cached copy of a completed record."),
+        (
+            f"{meta['rounds']} interleaved rounds × {meta['per_round']} requests per path (shuffled order each round)."
+            " p50 = median of the per-round medians; p99 = over all rounds' samples."
+            " PostgreSQL is the durable store for every path of ours; replays from Redis read"
+            " the cached copy of a completed record."
+        ),
         "",
         "| library | path | p50 µs | p99 µs | ratio to bare p50 | ratio range (rounds) | p50 spread | target |",
         "|---|---|---:|---:|---:|---:|---:|---|",
@@ -804,17 +1041,19 @@ def write_markdown(
         )
     lines += [
         "",
-        (f"Floor on this machine, same run: bare + one Redis GET = **{floor_redis:.2f}×** bare"
-        f" (the least a replay from Redis can cost); bare + one upsert+commit = **{floor_first:.2f}×**"
-        " (a first execution also needs a second statement, the fenced completion)."),
+        (
+            f"Floor on this machine, same run: bare + one Redis GET = **{floor_redis:.2f}×** bare"
+            f" (the least a replay from Redis can cost); bare + one upsert+commit = **{floor_first:.2f}×**"
+            " (a first execution also needs a second statement, the fenced completion)."
+        ),
         "",
-        "Records for the lookup rows: " + ", ".join(
+        "Records for the lookup rows: "
+        + ", ".join(
             f"{k[5:]}: {n['rows']:,} rows loaded in {n['seconds']} s"
             for k, n in notes.items()
             if k.startswith("fill_")
         )
-        +
-        " (INSERT … SELECT generate_series, then VACUUM ANALYZE); each replay picks a random stored key.",
+        + " (INSERT … SELECT generate_series, then VACUUM ANALYZE); each replay picks a random stored key.",
         "",
         "## 2. HTTP latency, one client (gunicorn)",
         "",
@@ -823,10 +1062,12 @@ def write_markdown(
         lines.append("Not run (`--inprocess-only`).")
     else:
         lines += [
-            (f"Sequential requests on one keep-alive connection per path, {meta['rounds']} interleaved rounds ×"
-            f" {meta['http_per_round']} requests; the servers of §3 ({meta['workers']} workers ×"
-            f" {meta['threads']} threads). The bare route here includes the HTTP round trip and gunicorn,"
-            " which is what a client compares against."),
+            (
+                f"Sequential requests on one keep-alive connection per path, {meta['rounds']} interleaved rounds ×"
+                f" {meta['http_per_round']} requests; the servers of §3 ({meta['workers']} workers ×"
+                f" {meta['threads']} threads). The bare route here includes the HTTP round trip and gunicorn,"
+                " which is what a client compares against."
+            ),
             "",
             "| library | path | p50 µs | p99 µs | ratio to bare p50 | ratio range (rounds) | p50 spread | target |",
             "|---|---|---:|---:|---:|---:|---:|---|",
@@ -846,21 +1087,30 @@ def write_markdown(
         "",
         "## 3. Wake-up latency of parked duplicates (gunicorn)",
         "",
-        (f"gunicorn, {meta['workers']} workers × {meta['threads']} threads (gthread), one server per library, all up at"
-        f" once, trials interleaved. Each of {meta['wake_trials']} trials: an original that sleeps 300 ms, then"
-        f" {meta['wake_duplicates']} duplicates sent 100 ms after it on fresh connections; figure = time from the"
-        " original's response to each duplicate's response, at the client. Negative = the duplicate was"
-        " answered before the original's own response reached the client. Cross-worker = answered by"
-        " another worker than the original (the wake-up crossed processes)."),
+        (
+            f"gunicorn, {meta['workers']} workers × {meta['threads']} threads (gthread), one server per library, all up at"
+            f" once, trials interleaved. Each of {meta['wake_trials']} trials: an original that sleeps 300 ms, then"
+            f" {meta['wake_duplicates']} duplicates sent 100 ms after it on fresh connections; figure = time from the"
+            " original's response to each duplicate's response, at the client. Negative = the duplicate was"
+            " answered before the original's own response reached the client. Cross-worker = answered by"
+            " another worker than the original (the wake-up crossed processes)."
+        ),
         "",
         "| library, backend | duplicates | replayed | cross-worker | p50 ms (cross-worker) | p99 ms (cross-worker) | p50 ms (all) | p99 ms (all) | max ms | target p50 ≤ 5, p99 ≤ 25 |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    names = {"ours": f"{OURS}, PostgreSQL + Redis", "ik-redis": f"{IDEMKIT}, Redis", "ik-pg": f"{IDEMKIT}, PostgreSQL"}
+    names = {
+        "ours": f"{OURS}, PostgreSQL + Redis",
+        "ik-redis": f"{IDEMKIT}, Redis",
+        "ik-pg": f"{IDEMKIT}, PostgreSQL",
+    }
     for key, row in wake.items():
         target = ""
         if key == "ours" and row["cross_p50_ms"] is not None:
-            ok = row["cross_p50_ms"] <= TARGET_WAKE_P50_MS and row["cross_p99_ms"] <= TARGET_WAKE_P99_MS
+            ok = (
+                row["cross_p50_ms"] <= TARGET_WAKE_P50_MS
+                and row["cross_p99_ms"] <= TARGET_WAKE_P99_MS
+            )
             target = verdict(ok)
         lines.append(
             f"| {names[key]} | {row['duplicates']} | {row['replayed']} | {row['cross_worker']} |"
@@ -871,14 +1121,18 @@ def write_markdown(
         lines.append("Not run (`--inprocess-only`).")
     lines += ["", "## 4. Throughput under gunicorn (wrk on loopback)", ""]
     if throughput is None:
-        lines.append("Not run: `--inprocess-only`, or `wrk` is not installed (`apt-get install -y wrk`).")
+        lines.append(
+            "Not run: `--inprocess-only`, or `wrk` is not installed (`apt-get install -y wrk`)."
+        )
     else:
         lines += [
-            (f"Same servers. wrk -t2 -c{meta['wrk_connections']}, {meta['wrk_seconds']:g} s per cell,"
-            f" {meta['wrk_rounds']} interleaved rounds (shuffled). Replay-heavy mix:"
-            f" {100 - meta['new_share'] * 100:.0f}% replays of {meta['replay_keys']} stored keys,"
-            f" {meta['new_share'] * 100:.0f}% new keys. The client shares the 2 cores with the servers."
-            " Ratio = requests/s over the bare route's requests/s (our server, no key) in the same round."),
+            (
+                f"Same servers. wrk -t2 -c{meta['wrk_connections']}, {meta['wrk_seconds']:g} s per cell,"
+                f" {meta['wrk_rounds']} interleaved rounds (shuffled). Replay-heavy mix:"
+                f" {100 - meta['new_share'] * 100:.0f}% replays of {meta['replay_keys']} stored keys,"
+                f" {meta['new_share'] * 100:.0f}% new keys. The client shares the 2 cores with the servers."
+                " Ratio = requests/s over the bare route's requests/s (our server, no key) in the same round."
+            ),
             "",
             "| library, backend | load | req/s (median) | ratio to bare | ratio range (rounds) | p50 ms | p99 ms | non-2xx | socket errors |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -895,12 +1149,16 @@ def write_markdown(
         "",
         "## Notes",
         "",
-        ("- idemkit runs as its WSGI middleware around the same Flask app (it has no per-view Flask"
-        " integration); its Redis backend is Redis-only (no durable store), its PostgreSQL backend has no"
-        " cache tier. Its bare row is the same unprotected route, which still passes through its"
-        " middleware (body buffered, one hop to its background event loop)."),
-        ("- idemkit does not cache 204 and releases oversized responses; neither case is exercised here"
-        " (every path answers 201 with a small JSON body)."),
+        (
+            "- idemkit runs as its WSGI middleware around the same Flask app (it has no per-view Flask"
+            " integration); its Redis backend is Redis-only (no durable store), its PostgreSQL backend has no"
+            " cache tier. Its bare row is the same unprotected route, which still passes through its"
+            " middleware (body buffered, one hop to its background event loop)."
+        ),
+        (
+            "- idemkit does not cache 204 and releases oversized responses; neither case is exercised here"
+            " (every path answers 201 with a small JSON body)."
+        ),
         "- Figures are from this one run on this machine; rerun `make bench` to reproduce.",
         "",
     ]
@@ -941,7 +1199,10 @@ def target_lines(
     ]
     ours = wake.get("ours")
     if ours and ours["cross_p50_ms"] is not None:
-        ok = ours["cross_p50_ms"] <= TARGET_WAKE_P50_MS and ours["cross_p99_ms"] <= TARGET_WAKE_P99_MS
+        ok = (
+            ours["cross_p50_ms"] <= TARGET_WAKE_P50_MS
+            and ours["cross_p99_ms"] <= TARGET_WAKE_P99_MS
+        )
         lines.append(
             f"- Wake-up of parked duplicates p50 ≤ {TARGET_WAKE_P50_MS:g} ms, p99 ≤ {TARGET_WAKE_P99_MS:g} ms"
             f" (cross-worker): p50 {ours['cross_p50_ms']:.1f} ms, p99 {ours['cross_p99_ms']:.1f} ms"
@@ -950,45 +1211,86 @@ def target_lines(
     return lines
 
 
-def plot(out: Path, inproc: list[dict[str, Any]], throughput: dict[str, Any] | None) -> None:
+def plot(
+    out: Path,
+    inproc: list[dict[str, Any]],
+    http_rows: list[dict[str, Any]],
+    throughput: dict[str, Any] | None,
+) -> None:
+    """Ratios to bare: in-process (log scale), over HTTP, and throughput; bars span the rounds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in inproc if r["library"] != "floor" and not r["name"].startswith("bare")]
-    fig, axes = plt.subplots(1, 2 if throughput else 1, figsize=(15, 6), squeeze=False)
-    ax = axes[0][0]
-    colours = {OURS: "#2b6cb0", IDEMKIT: "#dd6b20", "Flask": "#718096"}
-    labels = [f"{'ik: ' if r['library'] == IDEMKIT else ''}{r['label']}" for r in rows]
-    values = [r["ratio"] for r in rows]
-    errors = [[r["ratio"] - r["ratio_min"] for r in rows], [r["ratio_max"] - r["ratio"] for r in rows]]
-    ax.barh(labels, values, xerr=errors, color=[colours[r["library"]] for r in rows], capsize=3)
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.axvline(TARGET_REPLAY_REDIS, color="green", linestyle="--", linewidth=0.8, label=f"target replay from Redis {TARGET_REPLAY_REDIS}×")
-    ax.axvline(TARGET_FIRST, color="red", linestyle="--", linewidth=0.8, label=f"target first execution {TARGET_FIRST}×")
-    ax.set_xlabel("p50 latency / bare route p50 (in-process; bars = range over rounds)")
-    ax.set_title("In-process latency, ratio to bare Flask (blue: ours, orange: idemkit)")
-    ax.invert_yaxis()
-    ax.legend(loc="lower right", fontsize=8)
+    colours = {OURS: "#2b6cb0", IDEMKIT: "#dd6b20", "Flask": "#718096", "floor": "#38a169"}
+    panels: list[tuple[str, list[tuple[str, float, float, float, str]], str, bool]] = []
+
+    def latency_bars(rows: list[dict[str, Any]]) -> list[tuple[str, float, float, float, str]]:
+        return [
+            (
+                f"{'ik: ' if r['library'] == IDEMKIT else ''}{r['label']}",
+                r["ratio"],
+                r["ratio_min"],
+                r["ratio_max"],
+                r["library"],
+            )
+            for r in rows
+            if r["name"] not in ("bare", "http-bare")
+        ]
+
+    panels.append(
+        ("In-process latency / bare p50 (log scale)", latency_bars(inproc), "ratio", True)
+    )
+    if http_rows:
+        panels.append(
+            ("HTTP latency, one client / bare p50", latency_bars(http_rows), "ratio", False)
+        )
     if throughput:
-        ax2 = axes[0][1]
-        cells = list(throughput)
         names = {"ours": "ours", "ik-redis": "ik Redis", "ik-pg": "ik PG"}
         loads = {"bare": "bare", "mix": "replay mix", "new": "new keys"}
-        tlabels = [f"{names[c.split(':')[0]]}: {loads[c.split(':')[1]]}" for c in cells]
-        ax2.barh(
-            tlabels,
-            [throughput[c]["ratio"] for c in cells],
-            xerr=[[throughput[c]["ratio"] - throughput[c]["ratio_min"] for c in cells],
-                  [throughput[c]["ratio_max"] - throughput[c]["ratio"] for c in cells]],
-            color=[colours[OURS] if c.startswith("ours") else colours[IDEMKIT] for c in cells],
-            capsize=3,
-        )
-        ax2.axvline(1.0, color="black", linewidth=0.8)
-        ax2.set_xlabel("requests/s / bare route requests/s (gunicorn, wrk)")
-        ax2.set_title("Throughput, ratio to bare")
-        ax2.invert_yaxis()
+        bars = []
+        for cell, row in throughput.items():
+            server, mode = cell.split(":")
+            bars.append(
+                (
+                    f"{names[server]}: {loads[mode]}",
+                    row["ratio"],
+                    row["ratio_min"],
+                    row["ratio_max"],
+                    OURS if server == "ours" else IDEMKIT,
+                )
+            )
+        panels.append(("Throughput (req/s) / bare req/s", bars, "ratio", False))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 6.5), squeeze=False)
+    for ax, (title, bars, xlabel, log) in zip(axes[0], panels, strict=False):
+        labels = [b[0] for b in bars]
+        values = [b[1] for b in bars]
+        errors = [[b[1] - b[2] for b in bars], [b[3] - b[1] for b in bars]]
+        ax.barh(labels, values, xerr=errors, color=[colours[b[4]] for b in bars], capsize=3)
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        if not title.startswith("Throughput"):
+            ax.axvline(
+                TARGET_REPLAY_REDIS,
+                color="green",
+                linestyle="--",
+                linewidth=0.8,
+                label=f"target replay from Redis {TARGET_REPLAY_REDIS}×",
+            )
+            ax.axvline(
+                TARGET_FIRST,
+                color="red",
+                linestyle="--",
+                linewidth=0.8,
+                label=f"target first execution {TARGET_FIRST}×",
+            )
+            ax.legend(loc="lower right", fontsize=8)
+        if log:
+            ax.set_xscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(f"{xlabel} (blue: ours, orange: idemkit 1.0.2, green: floor)", fontsize=8)
+        ax.tick_params(axis="y", labelsize=8)
+        ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -1017,8 +1319,12 @@ def run_gunicorn_parts(
         if shutil.which("wrk"):
             print("5/5 gunicorn: throughput (wrk)", flush=True)
             throughput = run_throughput(
-                servers, args.wrk_rounds, args.wrk_seconds, meta["wrk_connections"],
-                meta["replay_keys"], meta["new_share"],
+                servers,
+                args.wrk_rounds,
+                args.wrk_seconds,
+                meta["wrk_connections"],
+                meta["replay_keys"],
+                meta["new_share"],
             )
         else:
             print("5/5 skipped: wrk is not installed (apt-get install -y wrk)", flush=True)
@@ -1034,7 +1340,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--database-url",
-        default=os.environ.get("IDEMPOTENCY_BENCH_DATABASE_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"),
+        default=os.environ.get(
+            "IDEMPOTENCY_BENCH_DATABASE_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+        ),
         help="PostgreSQL server; a private database is created on it and dropped afterwards",
     )
     parser.add_argument("--rounds", type=int, default=7)
@@ -1044,13 +1352,26 @@ def main() -> int:
     parser.add_argument("--wrk-rounds", type=int, default=3)
     parser.add_argument("--wrk-seconds", type=float, default=4.0)
     parser.add_argument("--http-per-round", type=int, default=60)
-    parser.add_argument("--inprocess-only", action="store_true", help="skip the gunicorn parts (quick before/after checks)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: few rounds, small tables")
+    parser.add_argument(
+        "--inprocess-only",
+        action="store_true",
+        help="skip the gunicorn parts (quick before/after checks)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: few rounds, small tables"
+    )
+    parser.add_argument(
+        "--plot-only", action="store_true", help="redraw latency.png from results.json"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.per_round, args.big_rows = 2, 50, 10_000
         args.wake_trials, args.wrk_rounds, args.wrk_seconds, args.http_per_round = 3, 1, 1.0, 10
+    if args.plot_only:
+        saved = json.loads((args.out / "results.json").read_text())
+        plot(args.out / "latency.png", saved["in_process"], saved["http"], saved["throughput"])
+        return 0
     # `kill <pid>` still runs the cleanups below (servers, private database).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -1074,7 +1395,10 @@ def main() -> int:
     with private_database(args.database_url) as db_url, private_redis() as redis_server:
         redis_url = redis_server.url
         meta["versions"] = versions(db_url, redis_url)
-        print(f"bench: {meta['versions']['cpu']}, {meta['versions']['cores']} cores, load {meta['load_before']}", flush=True)
+        print(
+            f"bench: {meta['versions']['cpu']}, {meta['versions']['cores']} cores, load {meta['load_before']}",
+            flush=True,
+        )
 
         print("1/5 in-process: loading records and warming up", flush=True)
         paths, notes, ik_backends = build_inprocess_paths(db_url, redis_url, args.big_rows)
@@ -1092,16 +1416,27 @@ def main() -> int:
     meta["seconds"] = time.monotonic() - started
 
     meta["http_per_round"] = args.http_per_round
-    markdown = write_markdown(args.out / "RESULTS.md", meta, inproc, http_rows, wake, throughput, notes)
+    markdown = write_markdown(
+        args.out / "RESULTS.md", meta, inproc, http_rows, wake, throughput, notes
+    )
     (args.out / "results.json").write_text(
         json.dumps(
-            {"meta": meta, "in_process": inproc, "http": http_rows, "wake": wake, "throughput": throughput, "notes": notes},
+            {
+                "meta": meta,
+                "in_process": inproc,
+                "http": http_rows,
+                "wake": wake,
+                "throughput": throughput,
+                "notes": notes,
+            },
             indent=1,
         )
     )
-    plot(args.out / "latency.png", inproc, throughput)
+    plot(args.out / "latency.png", inproc, http_rows, throughput)
     print(markdown)
-    print(f"bench: wrote {args.out / 'RESULTS.md'}, results.json and latency.png in {meta['seconds']:.0f} s")
+    print(
+        f"bench: wrote {args.out / 'RESULTS.md'}, results.json and latency.png in {meta['seconds']:.0f} s"
+    )
     return 0
 
 
