@@ -142,7 +142,7 @@ def create_payment() -> tuple[Response, int, dict[str, str]] | Response:
     ``atomic=True``: the view only flushes; the extension commits the payment row
     together with the stored response, so a crash leaves both or neither (C40).
     """
-    charge = parse_charge(request.get_json(silent=True))
+    charge = parse_charge(_json_body())
     if isinstance(charge, list):
         # Nothing happened yet: give the key back so the client can fix the body and
         # retry with the same key (C19). Without this the 400 would be stored and replayed.
@@ -192,6 +192,19 @@ def charge_gateway(amount_cents: int, currency: str) -> None:
     while the original is still in flight and watch it wait for the first answer.
     """
     time.sleep(current_app.config["GATEWAY_LATENCY"])
+
+
+def _json_body() -> Any:
+    """The parsed JSON body, or ``None`` when it is absent or unreadable.
+
+    ``get_json(silent=True)`` swallows only ``ValueError``; a body nested deeper
+    than Python's recursion limit raises ``RecursionError``, which is still the
+    client's bad input (400), not a server error.
+    """
+    try:
+        return request.get_json(silent=True)
+    except RecursionError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

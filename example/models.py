@@ -16,7 +16,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 db = SQLAlchemy()
 
 #: ``datetime.UTC`` only exists from Python 3.11; the package supports 3.10.
-UTC = timezone.utc  # noqa: UP017
+UTC = timezone.utc
 
 
 def _utcnow() -> datetime:

@@ -130,7 +130,9 @@ def try_it(base: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve the Flask-Idempotency payments example.")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="interface to bind (default: %(default)s)"
+    )
     parser.add_argument("--port", type=int, default=5000, help="port (default: %(default)s)")
     args = parser.parse_args(argv)
 
@@ -153,7 +155,7 @@ def _without_password(url: str) -> str:
 
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - only for display; a Redis URL is not a SQLAlchemy URL
+    except Exception:  # only for display; a Redis URL need not parse as a SQLAlchemy URL
         return url.split("@")[-1] if "@" in url else url
 
 
