@@ -247,15 +247,28 @@ def _validation_errors(payload: Any) -> list[dict[str, str]]:
     if description is not None:
         if not isinstance(description, str):
             errors.append({"field": "description", "message": "Must be a string."})
-        elif len(description) > MAX_DESCRIPTION_LENGTH or _CONTROL_CHARS.search(description):
+        elif (
+            len(description) > MAX_DESCRIPTION_LENGTH
+            or _CONTROL_CHARS.search(description)
+            or not _is_encodable(description)
+        ):
             errors.append(
                 {
                     "field": "description",
-                    "message": f"At most {MAX_DESCRIPTION_LENGTH} characters,"
+                    "message": f"At most {MAX_DESCRIPTION_LENGTH} characters of text,"
                     " no control characters.",
                 }
             )
     return errors
+
+
+def _is_encodable(text: str) -> bool:
+    """JSON may carry lone surrogates (``"\\ud800"``); no database can store them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # -- errors as problem+json ------------------------------------------------------------

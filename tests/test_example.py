@@ -143,6 +143,7 @@ def test_keys_of_two_accounts_never_meet(app: Flask, client: FlaskClient) -> Non
         ({"amount_cents": 100}, "currency"),
         ({"amount_cents": 100, "currency": "EUR", "description": 7}, "description"),
         ({"amount_cents": 100, "currency": "EUR", "description": "a\x00b"}, "description"),
+        ({"amount_cents": 100, "currency": "EUR", "description": "a\ud800b"}, "description"),
         ([1, 2, 3], ""),
     ],
 )
