@@ -186,10 +186,15 @@ def test_a_body_over_the_limit_is_a_413_problem(app: Flask, client: FlaskClient)
     assert _payment_count(app) == 0
 
 
+def _json_containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.lists(children, max_size=4) | st.dictionaries(
+        st.text(max_size=12), children, max_size=4
+    )
+
+
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    _json_containers,
     max_leaves=12,
 )
 CHARGE_LIKE = st.fixed_dictionaries(
