@@ -116,7 +116,9 @@ class RedisTier:
         self.channel = f"{prefix}:{CHANNEL_SUFFIX}"
         self.outage = Outage()
         connect = listener_connect or (lambda: client)
-        self._listener_key = (listener_key or ("client", id(client)), self.channel)
+        # Keyed by the client object itself, not id(client): the registry then holds it,
+        # so a later client can never reuse its id and be handed this listener.
+        self._listener_key = (listener_key or ("client", client), self.channel)
         self._new_listener = lambda: WakeupListener(connect, self.channel, first_wait=first_wait)
 
     @classmethod
@@ -279,7 +281,13 @@ class RedisTier:
 
 
 def _client_from_url(url: str, *, socket_timeout: float, connect_timeout: float) -> Any:
-    """A client that fails fast: short timeouts and no retries (the back-off is ours)."""
+    """A client that fails fast: short timeouts, and the back-off is ours.
+
+    One immediate retry on a broken connection only: after a Redis restart the pool
+    still holds sockets to the old server, and the first command on each would
+    otherwise count as a new outage. A server that is really down refuses the
+    retry at once; a timeout is never retried.
+    """
     try:
         import redis
         from redis.backoff import NoBackoff
@@ -294,6 +302,6 @@ def _client_from_url(url: str, *, socket_timeout: float, connect_timeout: float)
         socket_timeout=socket_timeout,
         socket_connect_timeout=connect_timeout,
         socket_keepalive=True,
-        retry=Retry(NoBackoff(), 0),
+        retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
         retry_on_timeout=False,
     )

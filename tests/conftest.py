@@ -121,6 +121,15 @@ def make_pg_app(make_app: AppFactory, pg_url: URL, pg_table: str) -> Iterator[Ap
 # -- Redis ---------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _no_listener_outlives_its_test() -> Iterator[None]:
+    """Every test starts without wake-up listeners from earlier tests in this process."""
+    from flask_idempotency import listener
+
+    yield
+    listener.stop_all()
+
+
 def redis_server_binary() -> str:
     path = shutil.which("redis-server")
     if path is None:

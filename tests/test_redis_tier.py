@@ -365,6 +365,11 @@ def test_x1_c10_completion_between_recheck_and_sleep_wakes_by_message(
     make_app, server, tmp_path, no_poll_ticks
 ):
     owner, waiter = two_processes(make_app, server, tmp_path, wait=20)
+    # The waiter's subscription is confirmed first: this test is about the message, and
+    # on a loaded machine a late subscribe acknowledgement would wake it instead (X2).
+    assert waiter.tier.ensure_listening(waiter.state.wakeups) or waiter.tier.listener.wait_until_live(
+        EVENTUALLY
+    )
     owner.gate.clear()
     first, first_result = in_thread(lambda: post(owner))
     assert owner.entered.wait(EVENTUALLY)
