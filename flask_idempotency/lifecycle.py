@@ -473,24 +473,22 @@ def _lease_lost(own: Ownership, action: str) -> None:
 
 
 def _emit(signal: Any, decision: _Decision, **extra: Any) -> None:
-    if signal.receivers:
-        signal.send(
-            current_app._get_current_object(),  # type: ignore[attr-defined]
-            key_digest=decision.ident.key_digest,
-            scope=decision.ident.scope,
-            route=request.endpoint,
-            duration=time.perf_counter() - decision.started,
-            **extra,
-        )
+    _send(signal, decision.ident, decision.started, **extra)
 
 
 def _emit_owned(signal: Any, own: Ownership, **extra: Any) -> None:
+    _send(signal, own.ident, own.started, **extra)
+
+
+def _send(signal: Any, ident: Identity, started: float, **extra: Any) -> None:
+    """Every decision's signal carries the digest, scope, route and time spent (C30)."""
     if signal.receivers:
-        signal.send(
+        signals.send(
+            signal,
             current_app._get_current_object(),  # type: ignore[attr-defined]
-            key_digest=own.ident.key_digest,
-            scope=own.ident.scope,
+            key_digest=ident.key_digest,
+            scope=ident.scope,
             route=request.endpoint,
-            duration=time.perf_counter() - own.started,
+            duration=time.perf_counter() - started,
             **extra,
         )

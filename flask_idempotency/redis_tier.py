@@ -264,7 +264,8 @@ class RedisTier:
             exc,
         )
         if signals.store_error.receivers:
-            signals.store_error.send(
+            signals.send(
+                signals.store_error,
                 current_app._get_current_object() if has_app_context() else None,  # type: ignore[attr-defined]
                 key_digest=key_digest,
                 scope=None,

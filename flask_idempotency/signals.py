@@ -14,9 +14,30 @@ noted. Connect receivers to count, log or trace them::
 
 from __future__ import annotations
 
-from blinker import Namespace
+import logging
+from typing import Any
 
+from blinker import Namespace, Signal
+
+log = logging.getLogger("flask_idempotency")
 _signals = Namespace()
+
+
+def send(signal: Signal, sender: Any, **extra: Any) -> None:
+    """Send ``signal``; a receiver that raises is logged and never fails the request.
+
+    Receivers count and log; the decision they report (a replay, a stored
+    response) has already been taken, and a broken metrics hook must not turn it
+    into a 500.
+    """
+    if not signal.receivers:
+        return
+    try:
+        signal.send(sender, **extra)
+    except Exception:
+        log.exception(
+            "idempotency: a receiver of the %s signal failed", getattr(signal, "name", signal)
+        )
 
 #: The view ran as the owner of a new, replaced or taken-over claim. Extra: ``how``.
 request_executed = _signals.signal("idempotency-request-executed")

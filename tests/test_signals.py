@@ -312,3 +312,34 @@ def test_c30_docs_prometheus_recipe_counts_decisions(make_app: Any) -> None:
     assert [decisions(d) for d in ("executed", "stored", "replayed", "mismatch")] == [1, 1, 1, 1]
     assert decisions("conflict") is None
     assert registry.get_sample_value("idempotency_decision_seconds_count", {"decision": "replayed"}) == 1
+
+
+def test_c30_a_failing_receiver_never_breaks_the_request(make_app, caplog) -> None:
+    """A broken metrics hook is logged; the replay it reports still reaches the client."""
+    from flask_idempotency import idempotent, signals
+
+    app, _ = make_app()
+    calls: list[int] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        calls.append(1)
+        return {"paid": True}, 201
+
+    def broken_counter(sender, **extra):  # type: ignore[no-untyped-def]
+        raise RuntimeError("metrics backend down")
+
+    signals.request_executed.connect(broken_counter, app)
+    signals.request_replayed.connect(broken_counter, app)
+    signals.response_stored.connect(broken_counter, app)
+    try:
+        client = app.test_client()
+        first = client.post("/pay", json={}, headers={"Idempotency-Key": "k"})
+        again = client.post("/pay", json={}, headers={"Idempotency-Key": "k"})
+    finally:
+        for signal in (signals.request_executed, signals.request_replayed, signals.response_stored):
+            signal.disconnect(broken_counter, app)
+    assert first.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert calls == [1]
+    assert sum("receiver of the" in r.getMessage() for r in caplog.records) == 3
