@@ -33,7 +33,8 @@ chaos: install
 	$(PY) -m pytest -m chaos -p no:randomly -q -s $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check flask_idempotency tests example
+	$(VENV)/bin/ruff check flask_idempotency tests example bench
+	$(VENV)/bin/ruff format --check flask_idempotency tests example bench
 	$(VENV)/bin/mypy
 
 # Latency, wake-up and throughput figures against PostgreSQL and Redis, with idemkit side by

@@ -49,13 +49,17 @@ PHASE_LABELS = (
 
 def run_mode(url: URL, *, atomic: bool, keys: int, seed: int, lease: float) -> dict[str, object]:
     """One mode: kill as scheduled, settle every key, count the business rows."""
-    harness = AtomicHarness(url, f"idem_bench_{'atomic' if atomic else 'plain'}_{uuid.uuid4().hex[:6]}")
+    harness = AtomicHarness(
+        url, f"idem_bench_{'atomic' if atomic else 'plain'}_{uuid.uuid4().hex[:6]}"
+    )
     try:
         started = time.monotonic()
         server = harness.server(atomic=atomic, lease=lease)
         names = [f"bench-{i}" for i in range(keys)]
         bodies = {name: body_for(name, i) for i, name in enumerate(names)}
-        result = KillCampaign(harness, server, make_schedule(names, seed), bodies, lease=lease).run()
+        result = KillCampaign(
+            harness, server, make_schedule(names, seed), bodies, lease=lease
+        ).run()
         server.wait_for_workers()
         answers = settle_all(server.url, bodies)
         unsettled = sorted(name for name, answer in answers.items() if answer.status_code != 201)
@@ -115,10 +119,13 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(
-            f"| {row['mode']} | {row['keys']} | {row['kills']} | {row['phases']} | {row['executions']}"
+            f"| {row['mode']} | {row['keys']} | {row['kills']} | {row['phases']}"
+            f" | {row['executions']}"
             f" | {row['duplicates']} | {row['rows']} | {row['seconds']} |"
         )
-    print(f"\nSeed {args.seed}, lease {args.lease:g} s, 3 sync gunicorn workers (preloaded), 3 lanes.")
+    print(
+        f"\nSeed {args.seed}, lease {args.lease:g} s, 3 sync gunicorn workers (preloaded), 3 lanes."
+    )
 
 
 if __name__ == "__main__":

@@ -119,7 +119,9 @@ class Claimers:
 
     def start(self) -> None:
         self._stop.clear()
-        self._workers = [threading.Thread(target=self._work, daemon=True) for _ in range(self.threads)]
+        self._workers = [
+            threading.Thread(target=self._work, daemon=True) for _ in range(self.threads)
+        ]
         for worker in self._workers:
             worker.start()
 
@@ -174,7 +176,9 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def measure(url: str, batch_size: int, rows: int, threads: int, think: float, idle_seconds: float) -> Run:
+def measure(
+    url: str, batch_size: int, rows: int, threads: int, think: float, idle_seconds: float
+) -> Run:
     store = make_store(url)
     load_seconds = load_expired_rows(store, rows)
     claimers = Claimers(store, threads, think)
@@ -188,9 +192,7 @@ def measure(url: str, batch_size: int, rows: int, threads: int, think: float, id
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     go = context.Event()
-    child = context.Process(
-        target=prune_in_child, args=(url, batch_size, results, go), daemon=True
-    )
+    child = context.Process(target=prune_in_child, args=(url, batch_size, results, go), daemon=True)
     child.start()
     time.sleep(1.0)  # let the child import and connect; it waits for `go`
     busy_start = time.perf_counter()
@@ -253,7 +255,9 @@ def main() -> None:
     runs: list[Run] = []
     try:
         for batch_size in batch_sizes:
-            print(f"batch size {batch_size}: loading {args.rows} rows…", file=sys.stderr, flush=True)
+            print(
+                f"batch size {batch_size}: loading {args.rows} rows…", file=sys.stderr, flush=True
+            )
             run = measure(
                 url.render_as_string(hide_password=False),
                 batch_size,

@@ -170,9 +170,7 @@ def create_payment() -> tuple[Response, int, dict[str, str]] | Response:
 @api.get("/payments")
 def list_payments() -> Response:
     """The most recent payments, newest first (at most 100)."""
-    payments = db.session.scalars(
-        db.select(Payment).order_by(Payment.id.desc()).limit(100)
-    ).all()
+    payments = db.session.scalars(db.select(Payment).order_by(Payment.id.desc()).limit(100)).all()
     return jsonify({"payments": [p.to_json() for p in payments]})
 
 

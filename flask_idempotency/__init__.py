@@ -1,12 +1,12 @@
 """Flask-Idempotency: safe retries for mutating endpoints with the Idempotency-Key header.
 
-    from flask_idempotency import Idempotency, idempotent
+from flask_idempotency import Idempotency, idempotent
 
-    idempotency = Idempotency(app)
+idempotency = Idempotency(app)
 
-    @app.post("/payments")
-    @idempotent
-    def create_payment(): ...
+@app.post("/payments")
+@idempotent
+def create_payment(): ...
 """
 
 from __future__ import annotations

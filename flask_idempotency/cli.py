@@ -94,7 +94,7 @@ def _missing_table_help(what: str) -> str:
 def _iso(ms: int | None) -> str:
     if ms is None:
         return "-"
-    moment = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)  # noqa: UP017 - Python 3.10
+    moment = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
@@ -274,7 +274,11 @@ def _record_options(command: F) -> F:
 
 
 def _resolve_digest(
-    maintenance: Maintenance, key: str, scope: str | None, authorization: str | None, by_digest: bool
+    maintenance: Maintenance,
+    key: str,
+    scope: str | None,
+    authorization: str | None,
+    by_digest: bool,
 ) -> str:
     """The digest the request path would give this (scope, key) (C5, C22)."""
     given = [
@@ -333,7 +337,9 @@ def _describe_record(record: RecordView) -> list[str]:
         )
     if record.response_status is not None:
         size = record.body_size or 0
-        omitted = " (body omitted: larger than IDEMPOTENCY_MAX_BODY_BYTES)" if record.body_omitted else ""
+        omitted = (
+            " (body omitted: larger than IDEMPOTENCY_MAX_BODY_BYTES)" if record.body_omitted else ""
+        )
         lines.append(f"status         {record.response_status}")
         lines.append(f"body           {size} bytes{omitted}")
         if record.response_headers:

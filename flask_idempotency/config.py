@@ -150,9 +150,7 @@ class Settings:
             replay_headers=replay_headers,
             required=_flag(self.required, "IDEMPOTENCY_REQUIRED"),
             strict_header=_flag(self.strict_header, "IDEMPOTENCY_STRICT_HEADER"),
-            store_server_errors=_flag(
-                self.store_server_errors, "IDEMPOTENCY_STORE_SERVER_ERRORS"
-            ),
+            store_server_errors=_flag(self.store_server_errors, "IDEMPOTENCY_STORE_SERVER_ERRORS"),
             fail_open=_flag(self.fail_open, "IDEMPOTENCY_FAIL_OPEN"),
             atomic=_flag(self.atomic, "IDEMPOTENCY_ATOMIC"),
             create_table=(
@@ -274,7 +272,7 @@ def _header_name(value: Any, name: str) -> str:
 def _seconds(value: Any, name: str, *, allow_zero: bool = False) -> float:
     """A finite number of seconds; a clear error instead of a 500 at the first request."""
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be a number of seconds, not {value!r}.")  # noqa: TRY004
+        raise ValueError(f"{name} must be a number of seconds, not {value!r}.")
     try:
         seconds = float(value)
     except (TypeError, ValueError):
@@ -287,7 +285,7 @@ def _seconds(value: Any, name: str, *, allow_zero: bool = False) -> float:
 
 def _integer(value: Any, name: str) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, not {value!r}.")  # noqa: TRY004
+        raise ValueError(f"{name} must be an integer, not {value!r}.")
     try:
         number = int(value)
     except (TypeError, ValueError, OverflowError):

@@ -96,9 +96,7 @@ class Idempotency:
         if existing is not None:
             if existing.extension is self:
                 return
-            raise RuntimeError(
-                "Another Idempotency instance is already registered on this app."
-            )
+            raise RuntimeError("Another Idempotency instance is already registered on this app.")
         settings = Settings.from_config(app.config)
         if settings.atomic and self._db is None:
             raise ValueError("IDEMPOTENCY_ATOMIC needs Idempotency(db=db) (C40).")

@@ -111,7 +111,7 @@ def _parse_string(cursor: _Cursor) -> str:
             escaped = cursor.take()
             if escaped not in '"\\':
                 raise InvalidKey(
-                    "The Idempotency-Key has a backslash escape other than \\\" or \\\\."
+                    'The Idempotency-Key has a backslash escape other than \\" or \\\\.'
                 )
             out.append(escaped)
         elif char == '"':

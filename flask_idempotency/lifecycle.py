@@ -1,10 +1,10 @@
 """The request lifecycle: decide before the view, settle after it (CONTRACT §3).
 
-    before_request    parse key → scope + fingerprint → cache → durable claim
-                      → replay | 422 | park and re-check | own the record
-    after_request     store the response (fenced) → promote → wake waiters,
-                      or release the claim
-    teardown_request  release whatever an exception or abort() left behind (C15)
+before_request    parse key → scope + fingerprint → cache → durable claim
+                  → replay | 422 | park and re-check | own the record
+after_request     store the response (fenced) → promote → wake waiters,
+                  or release the claim
+teardown_request  release whatever an exception or abort() left behind (C15)
 """
 
 from __future__ import annotations

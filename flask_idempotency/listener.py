@@ -136,7 +136,7 @@ class WakeupListener:
                 pubsub = self._connect().pubsub(ignore_subscribe_messages=False)
                 pubsub.subscribe(self.channel)
                 self._read_until_lost(pubsub)
-            except Exception as exc:  # noqa: BLE001 - any failure means "reconnect"
+            except Exception as exc:
                 new_outage = self._confirmed.is_set() or not outage_logged
                 if new_outage and not self._stopping.is_set():
                     log.info(
@@ -259,7 +259,7 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 def _close_quietly(pubsub: Any) -> None:
     try:
         pubsub.close()
-    except Exception as exc:  # noqa: BLE001 - the connection is already gone
+    except Exception as exc:
         log.debug("idempotency: closing the wake-up subscriber: %s", _describe(exc))
 
 

@@ -199,7 +199,9 @@ class Maintenance:
             deleted = self._run(lambda conn: conn.execute(stmt).rowcount, transaction=True)
             return PruneBatch(int(deleted), None)
         doomed = doomed.with_for_update(skip_locked=True)
-        returning = delete(t).where(t.c.id.in_(doomed.scalar_subquery())).returning(t.c.expires_at_ms)
+        returning = (
+            delete(t).where(t.c.id.in_(doomed.scalar_subquery())).returning(t.c.expires_at_ms)
+        )
 
         def run(conn: Connection) -> PruneBatch:
             expiries = conn.execute(returning).scalars().all()

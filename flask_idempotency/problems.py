@@ -2,7 +2,8 @@
 
 They are Werkzeug ``HTTPException`` subclasses that also derive from the
 matching Werkzeug class (``BadRequest``, ``Conflict``, …), so an application can
-still catch them with ``@app.errorhandler(409)``, by Werkzeug class, or by ours. None of them is ever
+still catch them with ``@app.errorhandler(409)``, by Werkzeug class, or by ours.
+None of them is ever
 stored under a key (C18).
 """
 
@@ -49,9 +50,7 @@ class IdempotencyProblem(HTTPException):
         }
 
     def get_response(self, environ: Any = None, scope: Any = None) -> Response:
-        response = Response(
-            json.dumps(self.problem()), status=self.code, mimetype=PROBLEM_MIMETYPE
-        )
+        response = Response(json.dumps(self.problem()), status=self.code, mimetype=PROBLEM_MIMETYPE)
         if self.retry_after is not None:
             response.headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
         return response

@@ -138,9 +138,7 @@ class RedisTier:
             # cut short by the command timeout, so it gets its own, longer one.
             if not subscriber:
                 subscriber.append(
-                    _client_from_url(
-                        url, socket_timeout=10.0, connect_timeout=max(1.0, timeout)
-                    )
+                    _client_from_url(url, socket_timeout=10.0, connect_timeout=max(1.0, timeout))
                 )
             return subscriber[0]
 
@@ -169,7 +167,7 @@ class RedisTier:
             return None
         try:
             raw = self._client.get(self.record_name(key_digest))
-        except Exception as exc:  # noqa: BLE001 - a cache never fails a request
+        except Exception as exc:
             self._failed(exc, "get", key_digest)
             return None
         self._succeeded()
@@ -177,7 +175,7 @@ class RedisTier:
             return None
         try:
             record = Completed.from_json(raw)
-        except Exception:  # noqa: BLE001 - whatever is in there, it is not ours
+        except Exception:
             record = None
         if record is None:
             # Not ours or corrupt: ignore it; the durable read that follows overwrites it.
@@ -195,7 +193,7 @@ class RedisTier:
             if publish:
                 pipe.publish(self.channel, self.wakeup_payload(key_digest, "done"))
             pipe.execute()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._failed(exc, "promote", key_digest)
             return
         self._succeeded()
@@ -205,7 +203,7 @@ class RedisTier:
             return
         try:
             self._client.delete(self.record_name(key_digest))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._failed(exc, "discard", key_digest)
             return
         self._succeeded()
@@ -215,7 +213,7 @@ class RedisTier:
     def ensure_listening(self, hub: WakeupHub) -> bool:
         try:
             return self.listener.ensure(hub)
-        except Exception as exc:  # noqa: BLE001 - e.g. no thread could be started
+        except Exception as exc:
             log.warning("idempotency: could not start the wake-up listener: %s", exc)
             return False
 
@@ -224,7 +222,7 @@ class RedisTier:
             return
         try:
             self._client.publish(self.channel, self.wakeup_payload(key_digest, event))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._failed(exc, "publish", key_digest)
             return
         self._succeeded()
@@ -242,7 +240,7 @@ class RedisTier:
             return False
         try:
             self._client.ping()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._failed(exc, "ping", None)
             return False
         self._succeeded()

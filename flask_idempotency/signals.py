@@ -39,6 +39,7 @@ def send(signal: Signal, sender: Any, **extra: Any) -> None:
             "idempotency: a receiver of the %s signal failed", getattr(signal, "name", signal)
         )
 
+
 #: The view ran as the owner of a new, replaced or taken-over claim. Extra: ``how``.
 request_executed = _signals.signal("idempotency-request-executed")
 #: A stored response was replayed. Extra: ``source`` (``"cache"`` or ``"database"``), ``status``.

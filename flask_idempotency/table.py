@@ -72,9 +72,7 @@ def _define(metadata: MetaData, name: str) -> Table:
         Column("response_body", LargeBinary, nullable=True),
         Column("body_omitted", Boolean, nullable=False, server_default=false()),
         UniqueConstraint("key_digest", name=f"uq_{name}_key_digest"),
-        CheckConstraint(
-            "state IN ('in_progress', 'completed')", name=f"ck_{name}_state"
-        ),
+        CheckConstraint("state IN ('in_progress', 'completed')", name=f"ck_{name}_state"),
         Index(f"ix_{name}_expires_at_ms", "expires_at_ms"),
         comment="Flask-Idempotency records: one row per (scope, Idempotency-Key).",
     )

@@ -45,10 +45,12 @@ def pg_url() -> Iterator[URL]:
     """A private PostgreSQL database for this test session."""
     base = make_url(PG_BASE_URL)
     try:
-        admin = create_engine(base, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+        admin = create_engine(
+            base, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
+        )
         with admin.connect() as conn:
             conn.execute(text("SELECT 1"))
-    except Exception as exc:  # noqa: BLE001 - any failure means "no server"
+    except Exception as exc:
         service_missing("PostgreSQL", f"{base.render_as_string(hide_password=True)}: {exc}")
     name = f"idem_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     with admin.connect() as conn:
@@ -82,7 +84,9 @@ def make_app(tmp_path: Any) -> Iterator[AppFactory]:
     stores: list[Any] = []
 
     def factory(config: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Flask, Idempotency]:
-        app = Flask(f"test_app_{len(stores)}", instance_path=str(tmp_path / f"instance{len(stores)}"))
+        app = Flask(
+            f"test_app_{len(stores)}", instance_path=str(tmp_path / f"instance{len(stores)}")
+        )
         app.config["TESTING"] = True
         app.config["IDEMPOTENCY_DATABASE_URI"] = f"sqlite:///{tmp_path}/idem{len(stores)}.sqlite3"
         app.config.update(config or {})

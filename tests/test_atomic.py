@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 from flask import jsonify, request
-from sqlalchemy.exc import OperationalError
 from sqlalchemy import event, text
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import OperationalError
 
 from flask_idempotency import idempotent, release_claim, signals
 from flask_idempotency.atomic import ViewCommitted
@@ -209,7 +209,9 @@ def test_c40_lost_lease_rolls_back_the_late_owners_writes(
     original: dict[str, Any] = {}
 
     def send_original() -> None:
-        response = payments.app.test_client().post("/payments", json=body, headers={"Idempotency-Key": key})
+        response = payments.app.test_client().post(
+            "/payments", json=body, headers={"Idempotency-Key": key}
+        )
         original["response"] = response
 
     thread = threading.Thread(target=send_original)
@@ -217,7 +219,9 @@ def test_c40_lost_lease_rolls_back_the_late_owners_writes(
     try:
         assert holding.wait(30)
         wait_until(lambda: not harness.record(key).lease_live, 30, "the original's lease to lapse")  # type: ignore[union-attr]
-        taker = payments.app.test_client().post("/payments", json=body, headers={"Idempotency-Key": key})
+        taker = payments.app.test_client().post(
+            "/payments", json=body, headers={"Idempotency-Key": key}
+        )
     finally:
         release_original.set()
         thread.join(timeout=60)
@@ -233,7 +237,9 @@ def test_c40_lost_lease_rolls_back_the_late_owners_writes(
     assert [row.id for row in rows] == [taker.get_json()["payment_id"]]
     assert harness.attempt_count() == 2  # both ran; only the taker's write survived
     for _ in range(2):
-        again = payments.app.test_client().post("/payments", json=body, headers={"Idempotency-Key": key})
+        again = payments.app.test_client().post(
+            "/payments", json=body, headers={"Idempotency-Key": key}
+        )
         assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
         assert again.data == taker.data
 
@@ -259,7 +265,11 @@ def test_c40_duplicate_does_not_queue_behind_an_owner_inside_its_commit(
     lease = 60.0 if lease_state == "live" else 1.0
     payments = make_payments_app(lease=lease, wait=0.0)
     key, body = f"c40-commit-lock-{lease_state}", {"amount": 800}
-    in_commit, finish_commit, duplicate_answered = threading.Event(), threading.Event(), threading.Event()
+    in_commit, finish_commit, duplicate_answered = (
+        threading.Event(),
+        threading.Event(),
+        threading.Event(),
+    )
 
     def hold_the_commit(session: Any) -> None:
         if not in_commit.is_set():
@@ -297,7 +307,9 @@ def test_c40_duplicate_does_not_queue_behind_an_owner_inside_its_commit(
     assert answers["duplicate"].get_json()["code"] == "request-in-progress"
     assert harness.attempt_count() == 1  # the view did not run a second time
     assert [row.id for row in harness.payments_by_key()[key]] == [owner.get_json()["payment_id"]]
-    replay = payments.app.test_client().post("/payments", json=body, headers={"Idempotency-Key": key})
+    replay = payments.app.test_client().post(
+        "/payments", json=body, headers={"Idempotency-Key": key}
+    )
     assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
     assert replay.data == owner.data
 
@@ -333,7 +345,9 @@ def test_c40_record_row_is_not_locked_while_the_views_writes_wait_to_flush(
         )
         thread.start()
         try:
-            wait_until(lambda: _waiting_insert(harness), 30, "the view's INSERT to wait for the table lock")
+            wait_until(
+                lambda: _waiting_insert(harness), 30, "the view's INSERT to wait for the table lock"
+            )
             with harness.engine.connect() as probe:
                 locked = probe.execute(
                     text(
@@ -410,7 +424,8 @@ def add_failing_views(payments: AtomicApp) -> None:
 def test_c40_exception_and_release_roll_back(
     harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp], route: str
 ) -> None:
-    """C40 with C17/C19: an exception, a 500 or release_claim() keeps neither the row nor the record.
+    """C40 with C17/C19: an exception, a 500 or release_claim() keeps neither the row nor
+    the record.
 
     The key is free again: a retry runs the view, and when it succeeds its row
     and its record are committed together.
@@ -452,7 +467,9 @@ def test_c40_unflushed_writes_commit_with_the_record(
         db.session.add(payment_model(idem_key="c40-lazy", amount=5, pid=0))
         return jsonify(ok=True), 201
 
-    response = payments.app.test_client().post("/lazy", json={}, headers={"Idempotency-Key": "c40-lazy"})
+    response = payments.app.test_client().post(
+        "/lazy", json={}, headers={"Idempotency-Key": "c40-lazy"}
+    )
     assert response.status_code == 201
     assert len(harness.payments_by_key()["c40-lazy"]) == 1
     record = harness.record("c40-lazy")
@@ -477,7 +494,9 @@ def test_c40_constraint_failure_at_the_final_flush_is_the_views_error(
         return jsonify(ok=True), 201
 
     client = payments.app.test_client()
-    failed = client.post("/broken", json={"amount": None}, headers={"Idempotency-Key": "c40-broken"})
+    failed = client.post(
+        "/broken", json={"amount": None}, headers={"Idempotency-Key": "c40-broken"}
+    )
     assert failed.status_code == 500
     assert harness.payments_by_key().get("c40-broken", []) == []
     assert harness.record("c40-broken") is None  # released: the key is free
@@ -558,7 +577,9 @@ def test_c40_view_commit_is_refused_in_testing(
 
 
 def test_c40_view_commit_in_production_warns_and_loses_the_guarantee(
-    harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp], caplog: pytest.LogCaptureFixture
+    harness: AtomicHarness,
+    make_payments_app: Callable[..., AtomicApp],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """C40, documented limit: outside TESTING/DEBUG the view's own commit goes ahead with a warning.
 

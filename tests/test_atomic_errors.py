@@ -22,7 +22,9 @@ pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
-def atomic_app(pg_url: URL, pg_table: str) -> Iterator[tuple[Flask, Any, Any, Idempotency, list[int]]]:
+def atomic_app(
+    pg_url: URL, pg_table: str
+) -> Iterator[tuple[Flask, Any, Any, Idempotency, list[int]]]:
     app = Flask("atomic_errors")
     app.config.update(
         SQLALCHEMY_DATABASE_URI=pg_url.render_as_string(hide_password=False),

@@ -257,7 +257,11 @@ def test_view_that_parses_malformed_json_strictly_gets_flasks_400(make_app) -> N
         return jsonify(request.json)
 
     client = app.test_client()
-    kwargs = {"data": b"{oops", "content_type": "application/json", "headers": {"Idempotency-Key": "s"}}
+    kwargs = {
+        "data": b"{oops",
+        "content_type": "application/json",
+        "headers": {"Idempotency-Key": "s"},
+    }
     first = client.post("/strict", **kwargs)
     again = client.post("/strict", **kwargs)
     assert first.status_code == again.status_code == 400
@@ -294,10 +298,11 @@ def test_non_utf8_form_data_never_500(app_calls, body: bytes) -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        b"--xyz\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\nvalue",  # no end boundary
+        b'--xyz\r\nContent-Disposition: form-data; name="a"\r\n\r\nvalue',  # no end boundary
         b"--xyz--\r\n",
         b"garbage without any boundary",
-        b"--xyz\r\nContent-Disposition: form-data; name=\"f\"; filename=\"\xff.bin\"\r\n\r\n\xff\xfe\r\n--xyz--\r\n",
+        b'--xyz\r\nContent-Disposition: form-data; name="f"; filename="\xff.bin"\r\n'
+        b"\r\n\xff\xfe\r\n--xyz--\r\n",
         b"--xyz\r\n\r\n\r\n--xyz--\r\n",
     ],
 )

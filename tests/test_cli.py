@@ -132,7 +132,9 @@ def mixed_table(app: Flask) -> dict[str, str]:
     }
 
 
-def run_flask(url: str, table: str, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+def run_flask(
+    url: str, table: str, *args: str, timeout: float = 90
+) -> subprocess.CompletedProcess[str]:
     """The real ``flask`` executable, as an operator or a cron job runs it."""
     return subprocess.run(
         [str(FLASK), "--app", "tests.cli_app:create_app", "idempotency", *args],
@@ -201,9 +203,7 @@ def test_c28_prune_dry_run_counts_and_deletes_nothing(pg_app: Flask) -> None:
 
 def test_c28_prune_works_in_bounded_batches(pg_app: Flask) -> None:
     add_expired_rows(pg_app, 2500)
-    result = pg_app.test_cli_runner().invoke(
-        args=["idempotency", "prune", "--batch-size", "1000"]
-    )
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "prune", "--batch-size", "1000"])
     assert result.exit_code == 0, result.output
     match = DELETED.search(result.output)
     assert match is not None and match.groups() == ("2500", "3"), result.output
@@ -223,7 +223,9 @@ def test_c28_prune_max_seconds_stops_between_batches(pg_app: Flask) -> None:
     assert row_count(pg_app) == 40
 
 
-def test_c28_prune_reports_progress_in_a_log(pg_app: Flask, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_c28_prune_reports_progress_in_a_log(
+    pg_app: Flask, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from flask_idempotency import cli
 
     monkeypatch.setattr(cli, "_PROGRESS_EVERY_SECONDS", 0.0)  # a line after every batch
@@ -287,15 +289,19 @@ def test_c28_prune_as_a_real_subprocess(pg_app: Flask, pg_uri: str, pg_table: st
     assert row_count(pg_app) == 3
 
 
-def test_c28_prune_skips_rows_another_transaction_holds(pg_app: Flask, pg_uri: str, pg_table: str) -> None:
+def test_c28_prune_skips_rows_another_transaction_holds(
+    pg_app: Flask, pg_uri: str, pg_table: str
+) -> None:
     """A prune never queues behind a locked row: it leaves it for the next run (SKIP LOCKED)."""
     add_expired_rows(pg_app, 300)
     store = store_of(pg_app)
     t = store.table
     with store.engine.connect() as holder, holder.begin():
-        held = holder.execute(
-            select(t.c.id).order_by(t.c.expires_at_ms).limit(50).with_for_update()
-        ).scalars().all()
+        held = (
+            holder.execute(select(t.c.id).order_by(t.c.expires_at_ms).limit(50).with_for_update())
+            .scalars()
+            .all()
+        )
         assert len(held) == 50
         # A prune that waited for the lock would hit the subprocess timeout.
         done = run_flask(pg_uri, pg_table, "prune", "--batch-size", "100", timeout=60)
@@ -337,7 +343,7 @@ def test_c28_concurrent_prunes_delete_each_row_once_threads(pg_app: Flask) -> No
             while (batch := maintenance.prune_batch(250, from_expiry=resume_at)).deleted > 0:
                 deleted += batch.deleted
                 resume_at = batch.last_expiry
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
         counts.append(deleted)
 
@@ -356,12 +362,25 @@ def test_c28_two_prune_processes_at_once(pg_app: Flask, pg_uri: str, pg_table: s
     add_expired_rows(pg_app, total)
     env = _flask_env(pg_uri, pg_table)
     command = [
-        str(FLASK), "--app", "tests.cli_app:create_app",
-        "idempotency", "prune", "--batch-size", "200", "--pause", "0.005",
+        str(FLASK),
+        "--app",
+        "tests.cli_app:create_app",
+        "idempotency",
+        "prune",
+        "--batch-size",
+        "200",
+        "--pause",
+        "0.005",
     ]
     processes = [
-        subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
     outputs = []
@@ -374,7 +393,7 @@ def test_c28_two_prune_processes_at_once(pg_app: Flask, pg_uri: str, pg_table: s
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    for returncode, stdout, stderr in outputs:
+    for returncode, _stdout, stderr in outputs:
         assert returncode == 0, stderr
         assert "Traceback" not in stderr
     reported = [int(DELETED.search(stdout).group(1)) for _, stdout, _ in outputs]  # type: ignore[union-attr]
@@ -385,7 +404,9 @@ def test_c28_two_prune_processes_at_once(pg_app: Flask, pg_uri: str, pg_table: s
 # -- a store that is down -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [["prune"], ["stats"], ["check"], ["show", "k"], ["forget", "k", "--yes"]])
+@pytest.mark.parametrize(
+    "command", [["prune"], ["stats"], ["check"], ["show", "k"], ["forget", "k", "--yes"]]
+)
 def test_c28_database_down_is_one_line_and_exit_1(command: list[str]) -> None:
     app = Flask(__name__)
     app.config["IDEMPOTENCY_DATABASE_URI"] = (
@@ -495,9 +516,7 @@ def test_c28_show_default_scopes(payments_app: tuple[Flask, list[int]]) -> None:
     runner = app.test_cli_runner()
     assert runner.invoke(args=["idempotency", "show", "anon-1"]).exit_code == 0
     assert runner.invoke(args=["idempotency", "show", "auth-1"]).exit_code == 1
-    shown = runner.invoke(
-        args=["idempotency", "show", "auth-1", "--authorization", "Bearer t0k"]
-    )
+    shown = runner.invoke(args=["idempotency", "show", "auth-1", "--authorization", "Bearer t0k"])
     assert shown.exit_code == 0, shown.output
     assert "scope          auth:" in shown.output
 
@@ -524,7 +543,9 @@ def test_c28_show_in_progress_record_has_its_lease(pg_app: Flask) -> None:
     assert "status" not in result.output
 
 
-def test_c28_forget_asks_first_then_the_key_runs_again(payments_app: tuple[Flask, list[int]]) -> None:
+def test_c28_forget_asks_first_then_the_key_runs_again(
+    payments_app: tuple[Flask, list[int]],
+) -> None:
     app, calls = payments_app
     client = app.test_client()
     headers = {"Idempotency-Key": "order-9", "X-Tenant": "acme"}
@@ -558,7 +579,9 @@ def test_c28_forget_asks_first_then_the_key_runs_again(payments_app: tuple[Flask
 
 def test_c28_forget_warns_about_a_request_in_flight(pg_app: Flask) -> None:
     digest = add_record(pg_app, state="in_progress", expires_in_ms=60_000, lease_in_ms=30_000)
-    result = pg_app.test_cli_runner().invoke(args=["idempotency", "forget", digest, "--digest", "--yes"])
+    result = pg_app.test_cli_runner().invoke(
+        args=["idempotency", "forget", digest, "--digest", "--yes"]
+    )
     assert result.exit_code == 0, result.output
     assert "a request holds this key right now" in result.output
     assert digest not in digests(pg_app)

@@ -302,10 +302,14 @@ def test_x18_view_sees_form_fields(echo_app) -> None:
 
 def multipart_body(boundary: str, content: bytes) -> bytes:
     return (
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhi\r\n"
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"upload\"; filename=\"a.bin\"\r\n"
-        "Content-Type: application/octet-stream\r\n\r\n"
-    ).encode() + content + f"\r\n--{boundary}--\r\n".encode()
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="note"\r\n\r\nhi\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="upload"; filename="a.bin"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + content
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
 
 
 @pytest.mark.parametrize("size", [10, 3 * 1024 * 1024])
@@ -324,14 +328,18 @@ def test_x18_view_sees_the_raw_bytes_of_forms(make_app, size: int) -> None:
     client = app.test_client()
     form = b"a=1&b=" + b"x" * size + b"&c=%C3%BC"
     client.post(
-        "/hook", data=form, content_type="application/x-www-form-urlencoded",
+        "/hook",
+        data=form,
+        content_type="application/x-www-form-urlencoded",
         headers={"Idempotency-Key": "form"},
     )
     assert seen[-1][0] == hashlib.sha256(form).hexdigest()
     assert seen[-1][1] == {"a": "1", "b": "x" * size, "c": "ü"}
     body = multipart_body("b0undary", os.urandom(size))
     client.post(
-        "/hook", data=body, content_type="multipart/form-data; boundary=b0undary",
+        "/hook",
+        data=body,
+        content_type="multipart/form-data; boundary=b0undary",
         headers={"Idempotency-Key": "multipart"},
     )
     assert seen[-1][0] == hashlib.sha256(body).hexdigest()
@@ -353,7 +361,8 @@ def test_c6_multipart_boundary_does_not_matter(make_app) -> None:
     content = os.urandom(1000)
     for boundary in ("first-boundary", "second-boundary"):
         response = client.post(
-            "/upload", data=multipart_body(boundary, content),
+            "/upload",
+            data=multipart_body(boundary, content),
             content_type=f"multipart/form-data; boundary={boundary}",
             headers={"Idempotency-Key": "k"},
         )
@@ -375,9 +384,12 @@ def test_x18_form_parsed_before_the_layer_still_fingerprints(make_app) -> None:
 
     client = app.test_client()
     client.post("/pay", data={"a": "1"}, headers={"Idempotency-Key": "k"})
-    assert client.post("/pay", data={"a": "1"}, headers={"Idempotency-Key": "k"}).headers.get(
-        "Idempotent-Replayed"
-    ) == "true"
+    assert (
+        client.post("/pay", data={"a": "1"}, headers={"Idempotency-Key": "k"}).headers.get(
+            "Idempotent-Replayed"
+        )
+        == "true"
+    )
     assert client.post("/pay", data={"a": "2"}, headers={"Idempotency-Key": "k"}).status_code == 422
     assert calls == [{"a": "1"}]
 
@@ -386,11 +398,15 @@ def test_x18_view_can_read_uploaded_files_after_fingerprinting(echo_app) -> None
     app, calls = echo_app
     content = os.urandom(4096)
     client = app.test_client()
-    first = client.post("/echo", data=multipart(content, note="n"), headers={"Idempotency-Key": "k"})
+    first = client.post(
+        "/echo", data=multipart(content, note="n"), headers={"Idempotency-Key": "k"}
+    )
     assert first.status_code == 200
     assert first.json["files"] == {"upload": hashlib.sha256(content).hexdigest()}
     assert first.json["form"] == [["note", "n"]]
-    again = client.post("/echo", data=multipart(content, note="n"), headers={"Idempotency-Key": "k"})
+    again = client.post(
+        "/echo", data=multipart(content, note="n"), headers={"Idempotency-Key": "k"}
+    )
     assert again.headers.get("Idempotent-Replayed") == "true"
     assert again.data == first.data
     changed = client.post(
@@ -469,11 +485,15 @@ def test_c6_reordered_json_replays_through_the_app(echo_app) -> None:
     app, calls = echo_app
     client = app.test_client()
     first = client.post(
-        "/echo", data=b'{"a":1,"b":2}', content_type="application/json",
+        "/echo",
+        data=b'{"a":1,"b":2}',
+        content_type="application/json",
         headers={"Idempotency-Key": "k"},
     )
     again = client.post(
-        "/echo", data=b'{ "b": 2, "a": 1 }', content_type="application/json",
+        "/echo",
+        data=b'{ "b": 2, "a": 1 }',
+        content_type="application/json",
         headers={"Idempotency-Key": "k"},
     )
     assert again.headers.get("Idempotent-Replayed") == "true"

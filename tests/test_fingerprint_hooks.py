@@ -18,7 +18,8 @@ def test_c7_raw_body_counts_after_an_earlier_hook_read_the_form(tmp_path) -> Non
 
     app = Flask("hooks_first", instance_path=str(tmp_path))
     app.config.update(
-        TESTING=True, IDEMPOTENCY_DATABASE_URI=f"sqlite:///{tmp_path}/hooks.sqlite3",
+        TESTING=True,
+        IDEMPOTENCY_DATABASE_URI=f"sqlite:///{tmp_path}/hooks.sqlite3",
         IDEMPOTENCY_CREATE_TABLE=True,
     )
 
@@ -52,7 +53,8 @@ def test_c7_multipart_fields_and_files_count_after_an_earlier_hook_parsed_them(t
 
     app = Flask("hooks_multipart", instance_path=str(tmp_path))
     app.config.update(
-        TESTING=True, IDEMPOTENCY_DATABASE_URI=f"sqlite:///{tmp_path}/mp.sqlite3",
+        TESTING=True,
+        IDEMPOTENCY_DATABASE_URI=f"sqlite:///{tmp_path}/mp.sqlite3",
         IDEMPOTENCY_CREATE_TABLE=True,
     )
 

@@ -32,7 +32,13 @@ from example.models import Payment, db
 LAYER_CODES = frozenset(
     {"missing-key", "invalid-key", "key-reused", "request-in-progress", "store-unavailable"}
 )
-ENV_VARS = ("DATABASE_URL", "IDEMPOTENCY_DATABASE_URI", "REDIS_URL", "IDEMPOTENCY_REDIS_URL", "GATEWAY_LATENCY")
+ENV_VARS = (
+    "DATABASE_URL",
+    "IDEMPOTENCY_DATABASE_URI",
+    "REDIS_URL",
+    "IDEMPOTENCY_REDIS_URL",
+    "GATEWAY_LATENCY",
+)
 
 # -- strategies --------------------------------------------------------------------------
 
@@ -44,7 +50,7 @@ latin1_text = st.text(
 plausible_key = st.text(
     alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=40
 )
-huge_key = st.builds(lambda n, c: c * n, st.integers(256, 70_000), st.sampled_from("k\"é \\,"))
+huge_key = st.builds(lambda n, c: c * n, st.integers(256, 70_000), st.sampled_from('k"é \\,'))
 key_value = st.one_of(
     plausible_key,
     plausible_key.map(lambda k: '"' + k.replace("\\", "\\\\").replace('"', '\\"') + '"'),
@@ -52,12 +58,19 @@ key_value = st.one_of(
     huge_key,
     st.sampled_from(["", " ", '""', '"a", "b"', "a, b", '"a";p=1', '"\\x"', "\t", '"unterminated']),
 )
-header_name = st.sampled_from(["Idempotency-Key", "idempotency-key", "IDEMPOTENCY-KEY", "IdEmPoTeNcY-kEy"])
-well_formed_key = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABC0123456789-_.:", min_size=1, max_size=24)
+header_name = st.sampled_from(
+    ["Idempotency-Key", "idempotency-key", "IDEMPOTENCY-KEY", "IdEmPoTeNcY-kEy"]
+)
+well_formed_key = st.text(
+    alphabet="abcdefghijklmnopqrstuvwxyzABC0123456789-_.:", min_size=1, max_size=24
+)
 
 
-def mostly(usual: st.SearchStrategy[Any], unusual: st.SearchStrategy[Any], one_in: int) -> st.SearchStrategy[Any]:
-    """``usual`` most of the time, ``unusual`` one time in ``one_in``: the layer must be reached often."""
+def mostly(
+    usual: st.SearchStrategy[Any], unusual: st.SearchStrategy[Any], one_in: int
+) -> st.SearchStrategy[Any]:
+    """``usual`` most of the time, ``unusual`` one time in ``one_in``: the layer must be
+    reached often."""
     return st.integers(1, one_in).flatmap(lambda n: unusual if n == 1 else usual)
 
 
@@ -68,50 +81,59 @@ key_lines = mostly(
 )
 
 valid_charge = st.fixed_dictionaries(
-    {"amount_cents": st.integers(1, 100_000_000), "currency": st.sampled_from(["EUR", "usd", "GBP"])},
+    {
+        "amount_cents": st.integers(1, 100_000_000),
+        "currency": st.sampled_from(["EUR", "usd", "GBP"]),
+    },
     optional={"description": st.text(max_size=40)},
 )
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 body = mostly(
     valid_charge.map(lambda c: json.dumps(c).encode()),
     st.one_of(
-    st.binary(max_size=2000),
-    valid_charge.map(lambda c: json.dumps(c).encode()),
-    json_values.map(lambda v: json.dumps(v).encode()),
-    st.builds(lambda c, cut: json.dumps(c).encode()[:cut], valid_charge, st.integers(0, 30)),
-    st.builds(lambda n: b"[" * n + b"]" * n, st.integers(1, 200)),  # nested, within recursion reach
-    st.just(b"amount_cents=100&currency=EUR"),
-    st.builds(lambda n: b"x" * n, st.integers(60_000, 70_000)),  # around MAX_CONTENT_LENGTH
+        st.binary(max_size=2000),
+        valid_charge.map(lambda c: json.dumps(c).encode()),
+        json_values.map(lambda v: json.dumps(v).encode()),
+        st.builds(lambda c, cut: json.dumps(c).encode()[:cut], valid_charge, st.integers(0, 30)),
+        st.builds(
+            lambda n: b"[" * n + b"]" * n, st.integers(1, 200)
+        ),  # nested, within recursion reach
+        st.just(b"amount_cents=100&currency=EUR"),
+        st.builds(lambda n: b"x" * n, st.integers(60_000, 70_000)),  # around MAX_CONTENT_LENGTH
     ),
     one_in=3,
 )
 content_type = mostly(
     st.just("application/json"),
     st.one_of(
-    st.none(),
-    st.sampled_from(
-        [
-            "application/json",
-            "application/json; charset=latin-1",
-            "application/problem+json",
-            "text/plain",
-            "application/x-www-form-urlencoded",
-            "multipart/form-data",
-            "multipart/form-data; boundary=zz",
-            "application/octet-stream",
-            "*/*",
-            ";;;",
-        ]
-    ),
-    latin1_text,
+        st.none(),
+        st.sampled_from(
+            [
+                "application/json",
+                "application/json; charset=latin-1",
+                "application/problem+json",
+                "text/plain",
+                "application/x-www-form-urlencoded",
+                "multipart/form-data",
+                "multipart/form-data; boundary=zz",
+                "application/octet-stream",
+                "*/*",
+                ";;;",
+            ]
+        ),
+        latin1_text,
     ),
     one_in=3,
 )
-method = mostly(st.just("POST"), st.sampled_from(["PATCH", "PUT", "GET", "DELETE", "HEAD", "OPTIONS"]), 4)
+method = mostly(
+    st.just("POST"), st.sampled_from(["PATCH", "PUT", "GET", "DELETE", "HEAD", "OPTIONS"]), 4
+)
 path = mostly(
     st.just("/payments"),
     st.one_of(
@@ -121,7 +143,9 @@ path = mostly(
     one_in=5,
 )
 account = mostly(
-    st.sampled_from([None, "acme", "globex"]), st.sampled_from(["bad account!", "", "x" * 70]), one_in=6
+    st.sampled_from([None, "acme", "globex"]),
+    st.sampled_from(["bad account!", "", "x" * 70]),
+    one_in=6,
 )
 
 
@@ -137,7 +161,9 @@ def example_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Flask]:
     with pytest.MonkeyPatch.context() as patch:
         for name in ENV_VARS:
             patch.delenv(name, raising=False)
-        app = create_app({"TESTING": False}, instance_path=str(tmp_path_factory.mktemp("fuzz") / "instance"))
+        app = create_app(
+            {"TESTING": False}, instance_path=str(tmp_path_factory.mktemp("fuzz") / "instance")
+        )
         with app.app_context():
             db.create_all()
         yield app
@@ -214,10 +240,11 @@ def test_hostile_requests_never_500_and_layer_errors_store_nothing(
     if first_success and method == "POST" and key_lines:
         assert after == (before[0] + 1, before[1] + 1), (before, after)
     else:
-        assert after[0] == before[0], f"records changed for a {response.status_code} (layer error: {layer_error})"
+        assert after[0] == before[0], (
+            f"records changed for a {response.status_code} (layer error: {layer_error})"
+        )
         if not first_success:
             assert after[1] == before[1], "a payment was made without a 201"
-
 
 
 def test_deeply_nested_json_body_is_a_client_error_not_a_500(example_app: Flask) -> None:

@@ -119,7 +119,7 @@ def test_c2_every_printable_ascii_char_inside_quotes(code: int) -> None:
         ('"\\\\"', "\\"),
         ('"\\\\\\""', '\\"'),
         ('"a\\\\\\\\b"', "a\\\\b"),
-        ('"\'single\'"', "'single'"),
+        ("\"'single'\"", "'single'"),
         ('"a,b;c=d"', "a,b;c=d"),
     ],
 )
@@ -222,7 +222,7 @@ def test_c2_parameters_of_every_type_are_ignored(params: str, strict: bool) -> N
         ";a=%x",
         ";a=(1 2)",  # inner lists are not bare items
         ";a=1 ;b=2",  # no space before ';'
-        ' ;a=1',  # no space between the string and its parameters
+        " ;a=1",  # no space between the string and its parameters
         ";a=1,",
         ";a=1;",
         ";a=\u00e9",
@@ -281,13 +281,13 @@ def test_c2_bare_key_accepts_every_allowed_char() -> None:
     assert parse_key([BARE_ALPHABET]) == BARE_ALPHABET
 
 
-@pytest.mark.parametrize("char", ['\\', ",", ";", " ", "\t", "\x00", "\x7f", "\u00e9", "\x1b"])
+@pytest.mark.parametrize("char", ["\\", ",", ";", " ", "\t", "\x00", "\x7f", "\u00e9", "\x1b"])
 def test_c3_bare_key_with_forbidden_char_rejected(char: str) -> None:
     with pytest.raises(InvalidKey):
         parse_key([f"ab{char}cd"])
 
 
-@pytest.mark.parametrize("char", ['\\', ",", ";", " ", "\u00e9"])
+@pytest.mark.parametrize("char", ["\\", ",", ";", " ", "\u00e9"])
 def test_c3_strict_bare_value_is_absent(char: str) -> None:
     """Strict mode: anything not starting with ``"`` is not a String, hence absent."""
     assert parse_key([f"ab{char}cd"], strict=True) is None
@@ -349,7 +349,8 @@ def test_c2_quoted_and_bare_replay_each_other(counted_app) -> None:
 
 
 def test_c2_escaped_key_is_distinct_from_its_escape(counted_app) -> None:
-    """``"a\\"b"`` is the key ``a"b``; it must not collide with the bare ``a\\"b``-like spellings."""
+    """``"a\\"b"`` is the key ``a"b``; it must not collide with the bare
+    ``a\\"b``-like spellings."""
     app, calls = counted_app
     client = app.test_client()
     client.post("/pay", json={}, headers={"Idempotency-Key": '"a\\"b"'})

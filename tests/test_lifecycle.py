@@ -103,7 +103,7 @@ class Background:
         def run() -> None:
             try:
                 self.response = app.test_client().post(path, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - reported by result()
+            except BaseException as exc:
                 self.error = exc
 
         self.thread = threading.Thread(target=run, daemon=True)
@@ -966,8 +966,9 @@ def test_c33_oversized_response_completes_with_body_omitted(make_app, streamed: 
     def big():
         calls.append("big")
         payload = (body[i : i + 100] for i in range(0, len(body), 100)) if streamed else body
-        return Response(payload, status=201, headers={"ETag": '"big"'},
-                        mimetype="application/octet-stream")
+        return Response(
+            payload, status=201, headers={"ETag": '"big"'}, mimetype="application/octet-stream"
+        )
 
     first, second = run_twice(app, "/big")
     assert first.status_code == 201 and first.data == body, "the first client gets it all"
@@ -1029,8 +1030,9 @@ def test_c18_layer_errors_are_never_stored(make_app) -> None:
 
     client = app.test_client()
     assert_problem(client.post("/pay", json={}), 400, "missing-key")
-    assert_problem(client.post("/pay", json={}, headers={"Idempotency-Key": '"bad'}), 400,
-                   "invalid-key")
+    assert_problem(
+        client.post("/pay", json={}, headers={"Idempotency-Key": '"bad'}), 400, "invalid-key"
+    )
     assert rows(app) == []
     client.post("/pay", json={"a": 1}, headers=KEY)
     stored = rows(app)
@@ -1145,8 +1147,11 @@ def test_c21_in_progress_with_live_lease_is_not_expired(make_app) -> None:
 
     with app.test_request_context("/pay", method="POST", json={"a": 1}, headers=KEY):
         ident = Identity(
-            "anonymous", key_digest("anonymous", "key-1"), request_fingerprint(request),
-            "POST", "/pay",
+            "anonymous",
+            key_digest("anonymous", "key-1"),
+            request_fingerprint(request),
+            "POST",
+            "/pay",
         )
     store = app.extensions["idempotency"].store
     claim = store.acquire(ident, ttl=0.05, lease=60)
@@ -1173,8 +1178,11 @@ def test_c13_lapsed_lease_is_taken_over_through_the_app(make_app) -> None:
 
     with app.test_request_context("/pay", method="POST", json={"a": 1}, headers=KEY):
         ident = Identity(
-            "anonymous", key_digest("anonymous", "key-1"), request_fingerprint(request),
-            "POST", "/pay",
+            "anonymous",
+            key_digest("anonymous", "key-1"),
+            request_fingerprint(request),
+            "POST",
+            "/pay",
         )
     store = app.extensions["idempotency"].store
     crashed = store.acquire(ident, ttl=3600, lease=0.05)
@@ -1371,8 +1379,9 @@ def test_route_options_override_config(make_app) -> None:
     assert_problem(app.test_client().post("/slow", json={}), 400, "missing-key")
     original = Background(app, "/slow", json={}, headers=KEY)
     assert entered.wait(PARK_LIMIT)
-    assert_problem(app.test_client().post("/slow", json={}, headers=KEY), 409,
-                   "request-in-progress")  # wait=0 on the route beats the app's 30 s
+    assert_problem(
+        app.test_client().post("/slow", json={}, headers=KEY), 409, "request-in-progress"
+    )  # wait=0 on the route beats the app's 30 s
     release.set()
     assert original.result().status_code == 201
 
@@ -1388,9 +1397,7 @@ def test_signals_fire_with_digests_not_keys(make_app) -> None:
         "response_stored",
     ):
         signal = getattr(signals, name)
-        signal.connect(
-            lambda sender, _name=name, **kw: seen.append((_name, kw)), app, weak=False
-        )
+        signal.connect(lambda sender, _name=name, **kw: seen.append((_name, kw)), app, weak=False)
 
     @app.post("/pay")
     @idempotent

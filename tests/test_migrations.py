@@ -31,10 +31,12 @@ def empty_pg_database() -> Iterator[str]:
     """A PostgreSQL database with nothing in it, dropped afterwards."""
     base = make_url(PG_BASE_URL)
     try:
-        admin = create_engine(base, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+        admin = create_engine(
+            base, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
+        )
         with admin.connect() as conn:
             conn.execute(text("SELECT 1"))
-    except Exception as exc:  # noqa: BLE001 - any failure means "no server"
+    except Exception as exc:
         service_missing("PostgreSQL", str(exc))
     name = f"idem_migr_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     with admin.connect() as conn:
@@ -94,7 +96,9 @@ def test_c29_upgrade_on_an_empty_database_creates_a_table_check_accepts(
     engine = create_engine(empty_pg_database)
     try:
         live = inspect(engine)
-        uniques = {u["name"]: u["column_names"] for u in live.get_unique_constraints("idempotency_keys")}
+        uniques = {
+            u["name"]: u["column_names"] for u in live.get_unique_constraints("idempotency_keys")
+        }
         indexes = {
             i["name"]: i["column_names"]
             for i in live.get_indexes("idempotency_keys")

@@ -1,4 +1,6 @@
-"""Rules that need the real PostgreSQL: concurrency, leases, fencing, wake-ups (C7, C13, C14, C20, C21).
+"""Rules that need the real PostgreSQL: concurrency, leases, fencing, wake-ups.
+
+CONTRACT C7, C13, C14, C20, C21.
 
 Each test has a private table in this session's private database (``make_pg_app``).
 Originals are parked on Events and the tests learn that duplicates are parked
@@ -156,8 +158,9 @@ def test_c21_pg_in_progress_with_live_lease_is_never_expired(make_pg_app) -> Non
     claim = store.acquire(identity_of(app, "/pay", {"a": 1}), ttl=0.05, lease=60)
     assert isinstance(claim, Claim)
     wait_for_db_clock(app, claim.expires_at_ms)
-    assert_problem(app.test_client().post("/pay", json={"a": 1}, headers=KEY), 409,
-                   "request-in-progress")
+    assert_problem(
+        app.test_client().post("/pay", json={"a": 1}, headers=KEY), 409, "request-in-progress"
+    )
     assert_problem(app.test_client().post("/pay", json={"a": 2}, headers=KEY), 422, "key-reused")
     assert calls == []
     assert rows(app)[0]["lock_token"] == claim.lock_token
@@ -191,7 +194,7 @@ def test_c13_pg_one_of_many_racing_threads_takes_over_a_lapsed_lease(make_pg_app
             client = app.test_client()
             barrier.wait(PARK_LIMIT)
             responses.append(client.post("/pay", json={"a": 1}, headers=KEY))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=race, daemon=True) for _ in range(racers)]
@@ -226,7 +229,9 @@ def test_c14_pg_slow_owner_cannot_overwrite_the_takers_record(make_pg_app) -> No
     finally:
         release.set()
     own_answer = slow.result()
-    assert own_answer.status_code == 201 and own_answer.json == {"n": 1}, "its client gets its answer"
+    assert own_answer.status_code == 201 and own_answer.json == {"n": 1}, (
+        "its client gets its answer"
+    )
     assert REPLAYED not in own_answer.headers
     assert [e["action"] for e in lost] == ["complete"]
     stored = rows(app)
@@ -399,7 +404,7 @@ def race(app: Flask, bodies: list[Any]) -> list[Any]:
             client = app.test_client()
             barrier.wait(PARK_LIMIT)
             responses.append(client.post("/pay", json=body, headers=KEY))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=one, args=(b,), daemon=True) for b in bodies]

@@ -1,4 +1,5 @@
 import threading
+
 from flask import jsonify
 
 from flask_idempotency import idempotent
@@ -29,4 +30,6 @@ def test_c8_pg_threads_smoke(make_pg_app):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert len(calls) == 1
-    from collections import Counter; print(Counter((s, h) for s, h, _ in results))
+    from collections import Counter
+
+    print(Counter((s, h) for s, h, _ in results))

@@ -79,7 +79,9 @@ def harness(pg_url: URL, pg_table: str) -> Iterator[ProcHarness]:
         h.close()
 
 
-def post(server: GunicornServer, key: str, body: dict[str, Any], **headers: str) -> requests.Response:
+def post(
+    server: GunicornServer, key: str, body: dict[str, Any], **headers: str
+) -> requests.Response:
     return requests.post(
         f"{server.url}/work/item",
         json=body,
@@ -98,7 +100,9 @@ def wait_until(condition: Callable[[], bool], within: float, what: str) -> None:
 
 
 @pytest.mark.parametrize("preload", [False, True], ids=["fork-then-load", "preload"])
-def test_c8_one_execution_per_key_across_gunicorn_workers(harness: ProcHarness, preload: bool) -> None:
+def test_c8_one_execution_per_key_across_gunicorn_workers(
+    harness: ProcHarness, preload: bool
+) -> None:
     """C8/C10/X16: 12 keys × 12 concurrent duplicates over 4 worker processes.
 
     Every key's view runs exactly once; every other answer is the same replay or 409.
@@ -119,7 +123,11 @@ def test_c8_one_execution_per_key_across_gunicorn_workers(harness: ProcHarness, 
         served_by.add(executions[0].pid)
         statuses = collections.Counter(r.status_code for r in by_key[key])
         assert set(statuses) <= {201, 409}, statuses
-        originals = [r for r in by_key[key] if r.status_code == 201 and "Idempotent-Replayed" not in r.headers]
+        originals = [
+            r
+            for r in by_key[key]
+            if r.status_code == 201 and "Idempotent-Replayed" not in r.headers
+        ]
         replays = [r for r in by_key[key] if r.headers.get("Idempotent-Replayed") == "true"]
         assert len(originals) == 1
         assert all(r.content == originals[0].content for r in replays)
@@ -129,7 +137,8 @@ def test_c8_one_execution_per_key_across_gunicorn_workers(harness: ProcHarness, 
 
 
 def test_c13_sigkilled_worker_lease_lapses_then_one_retry_runs(harness: ProcHarness) -> None:
-    """C13/C15: kill -9 the worker in the middle of a request; after the lease, exactly one retry runs."""
+    """C13/C15: kill -9 the worker in the middle of a request; after the lease, exactly one
+    retry runs."""
     server = harness.server(workers=2, threads=4, env={"IDEM_LEASE": 3, "IDEM_WAIT": 0})
     key, body = "c13-crash", {"amount": 42}
     outcome: dict[str, Any] = {}
@@ -173,10 +182,13 @@ def test_c13_sigkilled_worker_lease_lapses_then_one_retry_runs(harness: ProcHarn
 def test_c25_database_unreachable_gives_503_and_runs_nothing(
     make_app: Any, pg_url: URL, pg_table: str
 ) -> None:
-    """C25: with PostgreSQL cut off, protected requests get 503 problem+json and the view never runs."""
+    """C25: with PostgreSQL cut off, protected requests get 503 problem+json and the view
+    never runs."""
     proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
     try:
-        proxied = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        proxied = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(
+            hide_password=False
+        )
         app, _ = make_app({"IDEMPOTENCY_DATABASE_URI": proxied, "IDEMPOTENCY_TABLE": pg_table})
         calls: list[int] = []
 
@@ -216,12 +228,16 @@ def test_c25_database_unreachable_gives_503_and_runs_nothing(
         proxy.stop()
 
 
-def test_c25_fail_open_runs_unprotected_and_says_so(make_app: Any, pg_url: URL, pg_table: str) -> None:
+def test_c25_fail_open_runs_unprotected_and_says_so(
+    make_app: Any, pg_url: URL, pg_table: str
+) -> None:
     """C25: IDEMPOTENCY_FAIL_OPEN runs the view without protection and marks the response."""
     proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
     try:
         proxy.cut()
-        proxied = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        proxied = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(
+            hide_password=False
+        )
         app, _ = _app_without_table(proxied, pg_table, fail_open=True)
         calls: list[int] = []
 
@@ -264,7 +280,9 @@ def test_c25_response_survives_a_short_database_blip_after_the_view(
     """
     proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
     try:
-        proxied = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        proxied = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(
+            hide_password=False
+        )
         app, _ = make_app({"IDEMPOTENCY_DATABASE_URI": proxied, "IDEMPOTENCY_TABLE": pg_table})
         calls: list[int] = []
 

@@ -1,4 +1,6 @@
-"""Property tests (Hypothesis): header parsing, fingerprint invariance, exact replay (C2, C3, C6, C9).
+"""Property tests (Hypothesis): header parsing, fingerprint invariance, exact replay.
+
+CONTRACT C2, C3, C6, C9.
 
 Fingerprints are computed on real Flask requests; replay goes through a real app
 and the SQLite store. ``max_examples`` is moderate and there is no deadline, so
@@ -34,9 +36,9 @@ PROPERTY_SETTINGS = settings(
 
 PRINTABLE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
 BARE_ALPHABET = st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters='"\\,;')
-OUTSIDE_PRINTABLE = st.characters(
-    blacklist_categories=(), codec=None
-).filter(lambda c: not 0x20 <= ord(c) <= 0x7E)
+OUTSIDE_PRINTABLE = st.characters(blacklist_categories=(), codec=None).filter(
+    lambda c: not 0x20 <= ord(c) <= 0x7E
+)
 
 
 def sf_string(text: str) -> str:
@@ -100,7 +102,8 @@ def test_c3_any_char_outside_printable_ascii_inside_quotes_is_rejected(
 @PROPERTY_SETTINGS
 @given(text=st.text(min_size=0, max_size=300))
 def test_c3_parse_key_only_ever_returns_a_valid_key_or_raises_invalid_key(text: str) -> None:
-    """Total function: any input is a key of printable ASCII within the limit, None, or InvalidKey."""
+    """Total function: any input is a key of printable ASCII within the limit, None, or
+    InvalidKey."""
     try:
         key = parse_key([text])
     except InvalidKey:
@@ -140,8 +143,13 @@ def messy_dump(value: Any, rnd: random.Random) -> str:
         items = list(value.items())
         rnd.shuffle(items)
         inner = ",".join(
-            ws() + json.dumps(k, ensure_ascii=rnd.random() < 0.5) + ws() + ":" + ws()
-            + messy_dump(v, rnd) + ws()
+            ws()
+            + json.dumps(k, ensure_ascii=rnd.random() < 0.5)
+            + ws()
+            + ":"
+            + ws()
+            + messy_dump(v, rnd)
+            + ws()
             for k, v in items
         )
         return "{" + ws() + inner + "}"
@@ -165,8 +173,15 @@ def fp_app() -> Flask:
     return app
 
 
-def fingerprint(app: Flask, body: str | bytes, *, path: str = "/a", method: str = "POST",
-                query: str = "", content_type: str = "application/json") -> str:
+def fingerprint(
+    app: Flask,
+    body: str | bytes,
+    *,
+    path: str = "/a",
+    method: str = "POST",
+    query: str = "",
+    content_type: str = "application/json",
+) -> str:
     url = path + ("?" + query if query else "")
     with app.test_request_context(url, method=method, data=body, content_type=content_type):
         return request_fingerprint(request)
@@ -245,8 +260,22 @@ def test_c6_raw_bodies_differ_exactly_when_their_bytes_do(fp_app, body, other) -
 
 STORED_STATUSES = [
     s
-    for s in [*range(200, 209), 226, *range(300, 309), *range(400, 419), 421, 422, 424, 426,
-              428, 431, 451, 299, 399, 499]
+    for s in [
+        *range(200, 209),
+        226,
+        *range(300, 309),
+        *range(400, 419),
+        421,
+        422,
+        424,
+        426,
+        428,
+        431,
+        451,
+        299,
+        399,
+        499,
+    ]
     if s not in TRANSIENT_STATUSES
 ]
 
@@ -312,7 +341,7 @@ def test_c22_cache_record_round_trips(body, status, headers, omitted, expires) -
     assert Completed.from_json(record.to_json()) == record
 
 
-# -- forms -------------------------------------------------------------------------------------------
+# -- forms ---------------------------------------------------------------------------------
 
 FORM_FIELDS = st.lists(
     st.tuples(st.text(min_size=1, max_size=8), st.text(max_size=8)), min_size=1, max_size=6
@@ -360,15 +389,19 @@ OPERATIONS = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(operations=OPERATIONS)
 def test_c8_c14_c20_store_follows_the_model(store_engine, operations) -> None:
     """Any sequence of claims, completions and releases (stale ones included) obeys the rules:
     one owner per key, only the current token writes, a release frees the key, a
     completed record stays completed and keeps its response."""
-    store = DurableStore(lambda: store_engine, table_name=f"m_{uuid.uuid4().hex[:12]}",
-                         create_table=True)
+    store = DurableStore(
+        lambda: store_engine, table_name=f"m_{uuid.uuid4().hex[:12]}", create_table=True
+    )
     model = StoreModel()
     claims: list[tuple[str, Claim]] = []
     try:
@@ -427,8 +460,12 @@ def test_c8_c14_c20_store_follows_the_model(store_engine, operations) -> None:
         st.fixed_dictionaries(
             {"v": st.just(1)},
             optional={
-                "fp": JSON_VALUES, "exp": JSON_VALUES, "st": JSON_VALUES, "h": JSON_VALUES,
-                "b": JSON_VALUES, "om": JSON_VALUES,
+                "fp": JSON_VALUES,
+                "exp": JSON_VALUES,
+                "st": JSON_VALUES,
+                "h": JSON_VALUES,
+                "b": JSON_VALUES,
+                "om": JSON_VALUES,
             },
         ).map(json.dumps),
     )

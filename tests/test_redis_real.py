@@ -126,7 +126,9 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = EVENTUAL
 @pytest.fixture
 def no_poll_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Parked requests re-check only when woken: a lost wake-up is a 409, not a delay."""
-    monkeypatch.setattr(lifecycle, "PollSchedule", lambda *_, **__: PollSchedule(first=600, cap=600))
+    monkeypatch.setattr(
+        lifecycle, "PollSchedule", lambda *_, **__: PollSchedule(first=600, cap=600)
+    )
 
 
 # -- C22 / C23 / X7 -------------------------------------------------------------------

@@ -67,8 +67,13 @@ def build(make_app: Callable[..., Any], client: Any, **config: Any) -> SimpleNam
         return jsonify(n=len(calls), amount=body.get("amount")), 201
 
     return SimpleNamespace(
-        app=app, ext=ext, calls=calls, gate=gate, entered=entered,
-        state=app.extensions["idempotency"], tier=app.extensions["idempotency"].cache,
+        app=app,
+        ext=ext,
+        calls=calls,
+        gate=gate,
+        entered=entered,
+        state=app.extensions["idempotency"],
+        tier=app.extensions["idempotency"].cache,
     )
 
 
@@ -322,7 +327,9 @@ def test_c24_tier_methods_never_raise():
 # -- wake-ups -----------------------------------------------------------------------
 
 
-def two_processes(make_app, server, tmp_path, **config: Any) -> tuple[SimpleNamespace, SimpleNamespace]:
+def two_processes(
+    make_app, server, tmp_path, **config: Any
+) -> tuple[SimpleNamespace, SimpleNamespace]:
     """Two apps on one database and one Redis, with their own hubs: two "processes".
 
     Each has its own client object, so each gets its own listener: a wake-up from
@@ -367,9 +374,9 @@ def test_x1_c10_completion_between_recheck_and_sleep_wakes_by_message(
     owner, waiter = two_processes(make_app, server, tmp_path, wait=20)
     # The waiter's subscription is confirmed first: this test is about the message, and
     # on a loaded machine a late subscribe acknowledgement would wake it instead (X2).
-    assert waiter.tier.ensure_listening(waiter.state.wakeups) or waiter.tier.listener.wait_until_live(
-        EVENTUALLY
-    )
+    assert waiter.tier.ensure_listening(
+        waiter.state.wakeups
+    ) or waiter.tier.listener.wait_until_live(EVENTUALLY)
     owner.gate.clear()
     first, first_result = in_thread(lambda: post(owner))
     assert owner.entered.wait(EVENTUALLY)

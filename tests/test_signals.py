@@ -117,7 +117,9 @@ def build_app(make_pg_app: Any, tier: str) -> tuple[Flask, dict[str, Any]]:
     return app, gates
 
 
-def hold_original(app: Flask, gates: dict[str, Any], path: str, headers: dict[str, str]) -> tuple[threading.Thread, list[Any]]:
+def hold_original(
+    app: Flask, gates: dict[str, Any], path: str, headers: dict[str, str]
+) -> tuple[threading.Thread, list[Any]]:
     """Start the original request in a thread and return once its view is running."""
     gates["entered"].clear()
     gates["leave"].clear()
@@ -171,7 +173,9 @@ def drop_redis_keys(prefix: str) -> None:
         client.close()
 
 
-def check_session(app: Flask, gates: dict[str, Any], caplog: pytest.LogCaptureFixture, tier: str) -> None:
+def check_session(
+    app: Flask, gates: dict[str, Any], caplog: pytest.LogCaptureFixture, tier: str
+) -> None:
     recorder = Recorder()
     client = app.test_client()
     key = {"Idempotency-Key": RAW_KEY}
@@ -194,8 +198,18 @@ def check_session(app: Flask, gates: dict[str, Any], caplog: pytest.LogCaptureFi
         assert answers[0].status_code == 201
 
         # released: by the view (C19) and by a 500 (C17)
-        assert client.post("/validate", json={"n": 1}, headers={"Idempotency-Key": RAW_KEY + "-v"}).status_code == 400
-        assert client.post("/boom", json={"n": 1}, headers={"Idempotency-Key": RAW_KEY + "-b"}).status_code == 500
+        assert (
+            client.post(
+                "/validate", json={"n": 1}, headers={"Idempotency-Key": RAW_KEY + "-v"}
+            ).status_code
+            == 400
+        )
+        assert (
+            client.post(
+                "/boom", json={"n": 1}, headers={"Idempotency-Key": RAW_KEY + "-b"}
+            ).status_code
+            == 500
+        )
 
         # taken over: the first owner overruns its 0.1 s lease; it then finds the lease lost
         lease_key = {"Idempotency-Key": RAW_KEY + "-lease"}
@@ -266,7 +280,7 @@ def doc_recipes() -> dict[str, dict[str, Any]]:
     recipes: dict[str, dict[str, Any]] = {}
     for block in re.findall(r"```python\n(.*?)```", source, flags=re.DOTALL):
         namespace: dict[str, Any] = {}
-        exec(compile(block, "docs/observability.md", "exec"), namespace)  # noqa: S102
+        exec(compile(block, "docs/observability.md", "exec"), namespace)
         for name in ("install_prometheus_metrics", "install_counters"):
             if name in namespace:
                 recipes[name] = namespace
@@ -311,7 +325,10 @@ def test_c30_docs_prometheus_recipe_counts_decisions(make_app: Any) -> None:
 
     assert [decisions(d) for d in ("executed", "stored", "replayed", "mismatch")] == [1, 1, 1, 1]
     assert decisions("conflict") is None
-    assert registry.get_sample_value("idempotency_decision_seconds_count", {"decision": "replayed"}) == 1
+    assert (
+        registry.get_sample_value("idempotency_decision_seconds_count", {"decision": "replayed"})
+        == 1
+    )
 
 
 def test_c30_a_failing_receiver_never_breaks_the_request(make_app, caplog) -> None:

@@ -59,7 +59,9 @@ def row_count(store: DurableStore) -> int:
         return int(conn.execute(select(func.count()).select_from(store.table)).scalar_one())
 
 
-RESPONSE = StoredResponse(201, (("Content-Type", "application/json"), ("Location", "/p/1")), b'{"id":1}')
+RESPONSE = StoredResponse(
+    201, (("Content-Type", "application/json"), ("Location", "/p/1")), b'{"id":1}'
+)
 
 
 def test_c8_first_acquire_claims(store) -> None:
@@ -242,8 +244,11 @@ def test_c8_concurrent_acquires_have_one_winner(store) -> None:
     claims = [r for r in results if isinstance(r, Claim)]
     assert len(results) == threads
     assert len(claims) == 1
-    assert all(isinstance(r, Record) and r.lock_token == claims[0].lock_token
-               for r in results if r is not claims[0])
+    assert all(
+        isinstance(r, Record) and r.lock_token == claims[0].lock_token
+        for r in results
+        if r is not claims[0]
+    )
 
 
 def test_c13_concurrent_takeovers_have_one_winner(store) -> None:

@@ -65,7 +65,7 @@ def test_r48_class_based_view_is_tracked(make_app) -> None:
     calls: list[str] = []
 
     class Payments(MethodView):
-        decorators = [idempotent(required=True)]
+        decorators = (idempotent(required=True),)
 
         def post(self):
             calls.append("post")

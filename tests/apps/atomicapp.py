@@ -85,7 +85,7 @@ def parse_sleep(header: str | None) -> dict[str, float]:
     """``"0.1,0.2,0"`` → ``{"pre": 0.1, "mid": 0.2, "post": 0.0}``; missing parts are 0."""
     values = [float(part) for part in (header or "").split(",") if part.strip()]
     values += [0.0] * (len(SLEEP_STEPS) - len(values))
-    return dict(zip(SLEEP_STEPS, values[: len(SLEEP_STEPS)]))
+    return dict(zip(SLEEP_STEPS, values[: len(SLEEP_STEPS)], strict=False))
 
 
 @dataclasses.dataclass
@@ -104,7 +104,9 @@ class AtomicApp:
     def note(self, attempt_id: int, phase: str, key: str = "") -> None:
         """Move an attempt's phase on, committed at once through the side engine."""
         with self.side_engine.connect() as conn:
-            conn.execute(update(self.attempts).where(self.attempts.c.id == attempt_id).values(phase=phase))
+            conn.execute(
+                update(self.attempts).where(self.attempts.c.id == attempt_id).values(phase=phase)
+            )
         if self.on_phase is not None:
             self.on_phase(key, phase)
 
@@ -153,7 +155,9 @@ def build_app(
 
     # The side engine commits every statement on its own, outside the view's transaction.
     side_engine = create_store_engine(database_url, isolation_level="AUTOCOMMIT", pool_size=2)
-    handles = AtomicApp(app, db, idempotency, Payment, attempts_table(MetaData(), records_table), side_engine)
+    handles = AtomicApp(
+        app, db, idempotency, Payment, attempts_table(MetaData(), records_table), side_engine
+    )
     app.extensions["atomicapp"] = handles
 
     @app.get("/healthz")

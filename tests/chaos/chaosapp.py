@@ -84,7 +84,9 @@ def create_app() -> Flask:
     def claimed(sender: Any, **extra: Any) -> None:
         g.chaos_claim_how = extra["how"]
         with ledger.begin() as conn:
-            conn.execute(insert(claims).values(idem_key=_raw_key(), pid=os.getpid(), how=extra["how"]))
+            conn.execute(
+                insert(claims).values(idem_key=_raw_key(), pid=os.getpid(), how=extra["how"])
+            )
 
     @app.get("/healthz")
     def healthz() -> str:

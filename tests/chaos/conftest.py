@@ -37,8 +37,17 @@ from tests.support.tcp_proxy import TcpProxy
 #: Seconds any "eventually" may take on a loaded 2-core machine.
 EVENTUALLY = 60.0
 SUMMARY_COLUMNS = (
-    "keys", "requests", "executions", "originals", "replays", "409", "422", "503", "other 5xx",
-    "no answer", "kills",
+    "keys",
+    "requests",
+    "executions",
+    "originals",
+    "replays",
+    "409",
+    "422",
+    "503",
+    "other 5xx",
+    "no answer",
+    "kills",
 )
 
 _summary_rows: list[tuple[str, dict[str, int]]] = []
@@ -63,7 +72,9 @@ class Answer:
         return self.status == 201 and not self.replayed
 
 
-def send(url: str, key: str, body: Any, *, timeout: float = 30.0, sleep: float | None = None) -> Answer:
+def send(
+    url: str, key: str, body: Any, *, timeout: float = 30.0, sleep: float | None = None
+) -> Answer:
     """One POST; a timeout or a dropped connection becomes an :class:`Answer` without a status."""
     headers = {"Idempotency-Key": key}
     if sleep is not None:
@@ -123,9 +134,9 @@ class ChaosRig:
         self.redis = RedisServer(redis_binary, directory / "redis").start()
         self.pg_proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
         self.redis_proxy = TcpProxy("127.0.0.1", self.redis.port).start()
-        self.proxied_pg_url = pg_url.set(host="127.0.0.1", port=self.pg_proxy.port).render_as_string(
-            hide_password=False
-        )
+        self.proxied_pg_url = pg_url.set(
+            host="127.0.0.1", port=self.pg_proxy.port
+        ).render_as_string(hide_password=False)
         self.servers: list[GunicornServer] = []
         self.inspector = redis.Redis(port=self.redis.port, socket_timeout=10)
 
@@ -138,7 +149,11 @@ class ChaosRig:
         }
         env.update({key: str(value) for key, value in settings.items()})
         server = GunicornServer(
-            "tests.chaos.chaosapp:create_app()", env=env, workers=workers, threads=threads, timeout=120
+            "tests.chaos.chaosapp:create_app()",
+            env=env,
+            workers=workers,
+            threads=threads,
+            timeout=120,
         )
         self.servers.append(server)
         return server.start(ready_within=EVENTUALLY)
@@ -188,7 +203,8 @@ def rig(pg_url: URL, tmp_path: Any) -> Iterator[ChaosRig]:
 
 @pytest.fixture(scope="session")
 def chaos_summary() -> Callable[..., None]:
-    """``chaos_summary(name, answers, keys=..., executions=..., kills=...)`` adds a row to the final table.
+    """``chaos_summary(name, answers, keys=..., executions=..., kills=...)`` adds a row
+    to the final table.
 
     ``executions`` above ``keys`` are re-runs: each must be explained (a kill, a store cut off).
     """
@@ -207,7 +223,10 @@ def chaos_summary() -> Callable[..., None]:
                     "409": sum(a.status == 409 for a in answers),
                     "422": sum(a.status == 422 for a in answers),
                     "503": sum(a.status == 503 for a in answers),
-                    "other 5xx": sum(a.status is not None and a.status >= 500 and a.status != 503 for a in answers),
+                    "other 5xx": sum(
+                        a.status is not None and a.status >= 500 and a.status != 503
+                        for a in answers
+                    ),
                     "no answer": sum(a.status is None for a in answers),
                     "kills": kills,
                 },
@@ -225,7 +244,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     header = "scenario".ljust(width) + "".join(f"{c:>11}" for c in SUMMARY_COLUMNS)
     terminalreporter.write_line(header)
     for name, row in _summary_rows:
-        terminalreporter.write_line(name.ljust(width) + "".join(f"{row[c]:>11}" for c in SUMMARY_COLUMNS))
+        terminalreporter.write_line(
+            name.ljust(width) + "".join(f"{row[c]:>11}" for c in SUMMARY_COLUMNS)
+        )
 
 
 def wait_until(condition: Callable[[], bool], what: str, within: float = EVENTUALLY) -> None:

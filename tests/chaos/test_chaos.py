@@ -69,7 +69,9 @@ class KeyFeed:
         return [f"{self.prefix}-{i}" for i in range(count)]
 
 
-def drive(feed: KeyFeed, client: Callable[[str, random.Random], None], threads: int, seed: int) -> None:
+def drive(
+    feed: KeyFeed, client: Callable[[str, random.Random], None], threads: int, seed: int
+) -> None:
     """Run ``client(key, rng)`` for every key the feed hands out, on ``threads`` threads."""
 
     def worker(n: int) -> None:
@@ -134,7 +136,8 @@ def complete_every_key(server: GunicornServer, keys: list[str], log: AnswerLog) 
 
 
 def assert_every_run_was_claimed(rig: ChaosRig, seed: int) -> dict[str, list[Any]]:
-    """No execution without a claim: each run saw its claim signal, and no key ran more than it was claimed."""
+    """No execution without a claim: each run saw its claim signal, and no key ran more
+    than it was claimed."""
     runs, claims = rig.runs_by_key(), rig.claims_by_key()
     unclaimed = [r for rows in runs.values() for r in rows if r.claim_how is None]
     assert not unclaimed, f"seed {seed}: views ran without a claim: {unclaimed[:5]}"
@@ -181,16 +184,24 @@ def test_duplicates_with_client_timeouts_and_retries_run_each_view_once(
     assert set(statuses) <= {201, 409, None}, f"seed {seed}: {statuses}"
     no_answer = collections.Counter(a.error for a in log.answers if a.status is None)
     assert set(no_answer) <= {"ReadTimeout", "ConnectTimeout"}, f"seed {seed}: {no_answer}"
-    assert no_answer, f"seed {seed}: no client timed out, so the scenario proved nothing about retries"
+    assert no_answer, (
+        f"seed {seed}: no client timed out, so the scenario proved nothing about retries"
+    )
     for key in keys:
         rows = runs.get(key, [])
         assert len(rows) == 1, f"seed {seed}: {key} ran {len(rows)} times: {rows}"
         assert rows[0].outcome == "stored", f"seed {seed}: {key}: {rows[0]}"
         got = log.of(key)
         assert {a.run for a in got if a.status == 201} == {rows[0].id}, f"seed {seed}: {key}: {got}"
-        assert sum(a.original for a in got) <= 1, f"seed {seed}: {key} answered as an original twice"
-    assert all(a.status == 201 for a in final), f"seed {seed}: {collections.Counter(a.status for a in final)}"
-    assert rig.inspector.dbsize() > 0, "nothing was ever promoted to Redis: the tier was not in play"
+        assert sum(a.original for a in got) <= 1, (
+            f"seed {seed}: {key} answered as an original twice"
+        )
+    assert all(a.status == 201 for a in final), (
+        f"seed {seed}: {collections.Counter(a.status for a in final)}"
+    )
+    assert rig.inspector.dbsize() > 0, (
+        "nothing was ever promoted to Redis: the tier was not in play"
+    )
 
 
 # -- 2. SIGKILL at random points ---------------------------------------------------------
@@ -255,7 +266,9 @@ def test_sigkilled_workers_leave_no_stuck_key_and_no_unexplained_rerun(
     server.wait_for_workers(within=EVENTUALLY)
     keys = feed.keys()
     final = complete_every_key(server, keys, log)
-    chaos_summary("SIGKILL workers", log, keys=len(keys), executions=rig.total_runs(), kills=len(kills))
+    chaos_summary(
+        "SIGKILL workers", log, keys=len(keys), executions=rig.total_runs(), kills=len(kills)
+    )
     runs = assert_every_run_was_claimed(rig, seed)
 
     assert len(kills) == KILLS
@@ -271,7 +284,8 @@ def test_sigkilled_workers_leave_no_stuck_key_and_no_unexplained_rerun(
         # A run that a kill interrupted is by a killed pid and never settled (no outcome).
         unexplained = [r for r in rows[:-1] if r.pid not in killed or r.outcome is not None]
         assert not unexplained, (
-            f"seed {seed}: {key} ran again after a run no kill interrupted: {unexplained} (all: {rows})"
+            f"seed {seed}: {key} ran again after a run no kill interrupted: {unexplained}"
+            f" (all: {rows})"
         )
         assert len(rows) - 1 <= len({r.pid for r in rows[:-1]}), f"seed {seed}: {key}: {rows}"
         settled_last = rows[-1].outcome == "stored" or rows[-1].pid in killed
@@ -281,7 +295,9 @@ def test_sigkilled_workers_leave_no_stuck_key_and_no_unexplained_rerun(
         assert got <= {rows[-1].id}, f"seed {seed}: {key} replayed {got}, stored run {rows[-1].id}"
         record = rig.store.get(digest(key))
         assert record is not None and record.state == COMPLETED, f"seed {seed}: {key}: {record}"
-    assert hit_by_a_kill > 0, f"seed {seed}: no kill interrupted a view: the scenario proved nothing"
+    assert hit_by_a_kill > 0, (
+        f"seed {seed}: no kill interrupted a view: the scenario proved nothing"
+    )
 
 
 # -- 3. Redis killed, flushed, restarted, cut and stalled -------------------------------
@@ -324,7 +340,9 @@ def test_redis_killed_flushed_restarted_under_load_changes_no_outcome(
     for key in warm:
         assert log.add(send(server.url, key, body_for(key))).status == 201
     tier = RedisTier(rig.inspector)
-    wait_until(lambda: rig.inspector.exists(tier.record_name(digest(warm[-1]))) == 1, "promotion to Redis")
+    wait_until(
+        lambda: rig.inspector.exists(tier.record_name(digest(warm[-1]))) == 1, "promotion to Redis"
+    )
 
     feed = KeyFeed("redis", duplicates=4, max_keys=1000)
 
@@ -355,13 +373,18 @@ def test_redis_killed_flushed_restarted_under_load_changes_no_outcome(
         rows = runs.get(key, [])
         assert len(rows) == 1, f"seed {seed}: {key} ran {len(rows)} times: {rows}"
         got = {a.run for a in log.of(key) if a.status == 201}
-        assert got == {rows[0].id}, f"seed {seed}: {key}: answers carry runs {got}, ran {rows[0].id}"
+        assert got == {rows[0].id}, (
+            f"seed {seed}: {key}: answers carry runs {got}, ran {rows[0].id}"
+        )
     assert all(a.status == 201 and a.replayed for a in final), f"seed {seed}: {final}"
     assert_redis_back_in_use(server, rig, keys[-1], log)
 
 
-def assert_redis_back_in_use(server: GunicornServer, rig: ChaosRig, key: str, log: AnswerLog) -> None:
-    """C23/C24: once Redis is back (after its outage back-off), a replay promotes the record again."""
+def assert_redis_back_in_use(
+    server: GunicornServer, rig: ChaosRig, key: str, log: AnswerLog
+) -> None:
+    """C23/C24: once Redis is back (after its outage back-off), a replay promotes the
+    record again."""
     name = RedisTier(rig.inspector).record_name(digest(key))
     deadline = time.monotonic() + EVENTUALLY
     while rig.inspector.exists(name) == 0:
@@ -415,7 +438,9 @@ def test_postgres_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
         rig.pg_proxy.cut()
         time.sleep(0.3)
         for i in range(20):
-            during_new.append(log.add(send(server.url, f"new-{i}", body_for(f"new-{i}"), timeout=20.0)))
+            during_new.append(
+                log.add(send(server.url, f"new-{i}", body_for(f"new-{i}"), timeout=20.0))
+            )
             old = before[i % len(before)]
             during_replays.append(log.add(send(server.url, old, body_for(old), timeout=20.0)))
         runs_while_cut = runs_of_keys_sent_only_while_cut(rig)
@@ -440,13 +465,16 @@ def test_postgres_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
     runs = assert_every_run_was_claimed(rig, seed)
 
     assert all(a.status == 503 and a.code == "store-unavailable" for a in during_new), (
-        f"seed {seed}: new keys while cut: {collections.Counter((a.status, a.code) for a in during_new)}"
+        f"seed {seed}: new keys while cut:"
+        f" {collections.Counter((a.status, a.code) for a in during_new)}"
     )
     originals = {a.key: a.run for a in first}
     assert all(
         a.status == 201 and a.replayed and a.run == originals[a.key] for a in during_replays
     ), f"seed {seed}: replays while cut: {during_replays}"
-    assert not runs_while_cut, f"seed {seed}: views started while the store was cut: {runs_while_cut}"
+    assert not runs_while_cut, (
+        f"seed {seed}: views started while the store was cut: {runs_while_cut}"
+    )
     statuses = log.statuses()
     assert set(statuses) <= {201, 409, 503}, f"seed {seed}: {statuses}"
     assert all(a.status == 201 for a in final), f"seed {seed}: not completed after restore: {final}"
@@ -454,7 +482,9 @@ def test_postgres_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
         rows = runs.get(key, [])
         assert rows, f"seed {seed}: {key} completed but never ran"
         unexplained = [r for r in rows[:-1] if not (r.outcome or "").startswith("store-error")]
-        assert not unexplained, f"seed {seed}: {key} ran twice with no store failure between: {rows}"
+        assert not unexplained, (
+            f"seed {seed}: {key} ran twice with no store failure between: {rows}"
+        )
         if not key.startswith("flow-"):
             assert len(rows) == 1, f"seed {seed}: {key} ran {len(rows)} times: {rows}"
         # "store-error:complete" last: the completion committed but its reply was cut off.
@@ -500,9 +530,13 @@ def test_same_key_different_bodies_racing_run_once_and_answer_422(
         winners = [a for a in got if a.status == 201]
         rows = runs.get(key, [])
         assert len(rows) == 1, f"seed {seed}: {key} ran {len(rows)} times"
-        assert [a.run for a in winners] == [rows[0].id] and winners[0].original, f"seed {seed}: {got}"
+        assert [a.run for a in winners] == [rows[0].id] and winners[0].original, (
+            f"seed {seed}: {got}"
+        )
         losers = [a for a in got if a.status != 201]
-        assert len(losers) == 7 and all(a.code == "key-reused" for a in losers), f"seed {seed}: {got}"
+        assert len(losers) == 7 and all(a.code == "key-reused" for a in losers), (
+            f"seed {seed}: {got}"
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,6 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,7 +79,10 @@ class GunicornServer:
         self.health_path = health_path
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="gunicorn-", suffix=".log", delete=False)
+        # Kept open for the server's lifetime and closed in stop(), so not a `with` block.
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix="gunicorn-", suffix=".log", delete=False
+        )
         self.final_log = ""
 
     @property
@@ -181,8 +183,8 @@ class GunicornServer:
         except OSError:
             pass
 
-    def __enter__(self) -> GunicornServer:
+    def __enter__(self) -> GunicornServer:  # noqa: PYI034 - not meant to be subclassed
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -95,7 +95,9 @@ class AtomicHarness:
         metadata.create_all(self.engine)
         self.servers: list[GunicornServer] = []
 
-    def server(self, *, atomic: bool, lease: float, workers: int = 3, wait: float = 0.0) -> GunicornServer:
+    def server(
+        self, *, atomic: bool, lease: float, workers: int = 3, wait: float = 0.0
+    ) -> GunicornServer:
         """Sync workers: one request per process, so a kill hits exactly the request it aims at.
         Preloaded, so a killed worker is replaced by a fork in milliseconds."""
         env = {
@@ -146,11 +148,15 @@ class AtomicHarness:
         self.engine.dispose()
 
 
-def post_payment(base_url: str, key: str, body: dict[str, Any], sleep: str | None = None) -> requests.Response:
+def post_payment(
+    base_url: str, key: str, body: dict[str, Any], sleep: str | None = None
+) -> requests.Response:
     headers = {"Idempotency-Key": key}
     if sleep is not None:
         headers["X-Sleep"] = sleep
-    return requests.post(f"{base_url}/payments", json=body, headers=headers, timeout=_REQUEST_TIMEOUT)
+    return requests.post(
+        f"{base_url}/payments", json=body, headers=headers, timeout=_REQUEST_TIMEOUT
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,17 +194,21 @@ class AttemptWatcher:
             with self._engine.connect() as conn:
                 while not self._stop.is_set():
                     rows = conn.execute(
-                        select(t.c.id, t.c.idem_key, t.c.pid).where(t.c.id > self._seen).order_by(t.c.id)
+                        select(t.c.id, t.c.idem_key, t.c.pid)
+                        .where(t.c.id > self._seen)
+                        .order_by(t.c.id)
                     ).all()
                     conn.rollback()  # a fresh snapshot every round
                     if rows:
                         with self._changed:
                             for row in rows:
-                                self._latest[row.idem_key] = Attempt(int(row.id), row.idem_key, int(row.pid))
+                                self._latest[row.idem_key] = Attempt(
+                                    int(row.id), row.idem_key, int(row.pid)
+                                )
                                 self._seen = max(self._seen, int(row.id))
                             self._changed.notify_all()
                     self._stop.wait(self._interval)
-        except Exception as exc:  # noqa: BLE001 - surfaced by the lanes, never swallowed
+        except Exception as exc:
             self.error = exc
             with self._changed:
                 self._changed.notify_all()
@@ -287,7 +297,9 @@ class KillCampaign:
         phases = self.harness.phases([kill.attempt_id for kill in self._kills])
         return CampaignResult(
             kills=list(self._kills),
-            phases=collections.Counter(phases.get(kill.attempt_id, "unknown") for kill in self._kills),
+            phases=collections.Counter(
+                phases.get(kill.attempt_id, "unknown") for kill in self._kills
+            ),
             requests=self._requests,
             answered_although_killed=self._answered,
             finished_before_kill=self._finished_first,
@@ -386,7 +398,7 @@ def settle_all(
             time.sleep(0.2)
 
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        return dict(zip(bodies, pool.map(settle, bodies)))
+        return dict(zip(bodies, pool.map(settle, bodies), strict=True))
 
 
 @dataclasses.dataclass
