@@ -33,6 +33,8 @@ class AppState:
     cache: ResponseCache
     wakeups: WakeupHub
     _options: dict[RouteOptions, EffectiveOptions] = dataclasses.field(default_factory=dict)
+    #: One line per outage of the durable store, not one per failed request.
+    outage_log: lifecycle.ThrottledLog = dataclasses.field(default_factory=lifecycle.ThrottledLog)
 
     def effective_options(self, route: RouteOptions) -> EffectiveOptions:
         options = self._options.get(route)

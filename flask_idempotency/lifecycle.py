@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -287,10 +288,36 @@ def _start_tracking(view: Callable[..., Any]) -> Callable[..., Any]:
     return tracked
 
 
+class ThrottledLog:
+    """Log a recurring failure once, then at most once per ``every`` seconds with a count.
+
+    During a database outage every protected request fails the same way; one line
+    per request would bury everything else in the log.
+    """
+
+    def __init__(self, every: float = 10.0) -> None:
+        self._every = every
+        self._next = 0.0
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def warning(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed = self._suppressed, 0
+            self._next = now + self._every
+        if suppressed:
+            message += f" ({suppressed} more since the last such line)"
+        log.warning(message, *args)
+
+
 def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
     settings = decision.state.settings
-    log.warning(
-        "idempotency: durable store unavailable (%s) for key %s",
+    decision.state.outage_log.warning(
+        "idempotency: durable store unavailable (%s), e.g. for key %s",
         exc,
         decision.ident.key_digest[:16],
     )

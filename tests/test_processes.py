@@ -305,3 +305,33 @@ def test_c25_response_survives_a_short_database_blip_after_the_view(
         direct.dispose()
     finally:
         proxy.stop()
+
+
+def test_c25_an_outage_is_logged_once_not_per_request(
+    make_app: Any, pg_url: URL, pg_table: str, caplog: Any
+) -> None:
+    """C25: every request during the outage gets its 503; the log gets one line for them."""
+    proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
+    try:
+        proxy.cut()
+        proxied = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(
+            hide_password=False
+        )
+        app, _ = _app_without_table(proxied, pg_table, fail_open=False)
+
+        @app.post("/pay")
+        @idempotent
+        def pay():  # type: ignore[no-untyped-def]
+            return jsonify(ok=True), 201
+
+        client = app.test_client()
+        with caplog.at_level("WARNING", logger="flask_idempotency"):
+            statuses = [
+                client.post("/pay", json={}, headers={"Idempotency-Key": f"k{i}"}).status_code
+                for i in range(20)
+            ]
+        assert statuses == [503] * 20
+        lines = [r for r in caplog.records if "durable store unavailable" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]
+    finally:
+        proxy.stop()
