@@ -125,20 +125,16 @@ class Maintenance:
         return self.store.engine_without_setup()
 
     @contextmanager
-    def _connection(self, *, transaction: bool) -> Iterator[Connection]:
+    def _connection(self) -> Iterator[Connection]:
+        # One short transaction either way: no isolation switch per checkout (store.py).
         try:
-            engine = self.engine
-            if transaction:
-                with engine.begin() as conn:
-                    yield conn
-            else:
-                with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
-                    yield conn
+            with self.engine.begin() as conn:
+                yield conn
         except SQLAlchemyError as exc:
             raise MaintenanceError(_describe(exc)) from exc
 
-    def _run(self, work: Callable[[Connection], T], *, transaction: bool = False) -> T:
-        with self._connection(transaction=transaction) as conn:
+    def _run(self, work: Callable[[Connection], T]) -> T:
+        with self._connection() as conn:
             return work(conn)
 
     def table_exists(self) -> bool:
@@ -196,7 +192,7 @@ class Maintenance:
             # SQLite removes index entries as it deletes: no cursor needed, and no
             # DELETE … RETURNING, which only SQLite 3.35 and later understand.
             stmt = delete(t).where(t.c.id.in_(doomed.scalar_subquery()))
-            deleted = self._run(lambda conn: conn.execute(stmt).rowcount, transaction=True)
+            deleted = self._run(lambda conn: conn.execute(stmt).rowcount)
             return PruneBatch(int(deleted), None)
         doomed = doomed.with_for_update(skip_locked=True)
         returning = (
@@ -207,7 +203,7 @@ class Maintenance:
             expiries = conn.execute(returning).scalars().all()
             return PruneBatch(len(expiries), max(expiries, default=from_expiry))
 
-        return self._run(run, transaction=True)
+        return self._run(run)
 
     # -- stats --------------------------------------------------------------------------
 
@@ -311,7 +307,7 @@ class Maintenance:
 
     def create_table(self) -> None:
         """Create the table and its index; only ever on the operator's explicit request."""
-        self._run(lambda conn: self.table.create(conn, checkfirst=True), transaction=True)
+        self._run(lambda conn: self.table.create(conn, checkfirst=True))
 
     def create_ddl(self) -> str:
         """The ``CREATE TABLE`` and ``CREATE INDEX`` statements for this database."""

@@ -2,10 +2,14 @@
 
 CONTRACT C8, C13–C14, C20–C21, C26.
 
-Every statement here is one short transaction of its own. Single statements run
-in autocommit, so each is atomic, sees the latest committed rows (no stale
-snapshot can hide a competitor's claim, race X9) and costs one round trip. The
-claim is ``INSERT … ON CONFLICT DO NOTHING RETURNING``: the unique index lets
+Every statement here is one short transaction of its own (C26), so each is
+atomic and, at READ COMMITTED, sees the latest committed rows (a snapshot taken
+for a single statement cannot hide a competitor's claim, race X9; at a stricter
+isolation the conflict surfaces as a serialization failure, which is retried).
+No pooled connection has its isolation level switched for us: a switch is
+undone when the connection returns to the pool, and undoing it on a connection
+the network has cut raises outside SQLAlchemy's error handling and loses the
+pool slot. The claim is ``INSERT … ON CONFLICT DO NOTHING RETURNING``: the unique index lets
 exactly one of any number of concurrent inserters win. Every write an owner
 makes afterwards is fenced by its lock token.
 """
@@ -17,8 +21,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sqlalchemy import (
@@ -89,7 +92,10 @@ class DurableStore:
 
     @property
     def autocommit(self) -> Engine:
-        """The same pool, with every statement committed on its own."""
+        """The same pool in autocommit, for tests and tools that inspect or seed rows.
+
+        The request path never uses it (see the module docstring).
+        """
         return self._resolve()[1]
 
     def _resolve(self) -> tuple[Engine, Engine]:
@@ -314,7 +320,7 @@ class DurableStore:
             return work(conn)
 
         try:
-            return self._run(attempt, transaction=True)
+            return self._run(attempt)
         except StoreError as exc:
             if _sqlstate(exc.__cause__) == _LOCK_NOT_AVAILABLE:
                 return None
@@ -404,7 +410,7 @@ class DurableStore:
 
     # -- running statements --------------------------------------------------------------
 
-    def _run(self, work: Callable[[Connection], T], *, transaction: bool = False) -> T:
+    def _run(self, work: Callable[[Connection], T]) -> T:
         """Run ``work`` with bounded retries of transient failures; else raise :class:`StoreError`.
 
         Retried: serialization failures and deadlocks (C26), and a pooled
@@ -413,7 +419,7 @@ class DurableStore:
         """
         for attempt in range(_ATTEMPTS):
             try:
-                with self._connect(transaction) as conn:
+                with self.engine.begin() as conn:
                     return work(conn)
             except DBAPIError as exc:
                 retryable = _sqlstate(exc) in _RETRYABLE_SQLSTATES or (
@@ -425,15 +431,6 @@ class DurableStore:
             except SQLAlchemyError as exc:
                 raise StoreError(_describe(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
-
-    @contextmanager
-    def _connect(self, transaction: bool) -> Iterator[Connection]:
-        if transaction:
-            with self.engine.begin() as conn:
-                yield conn
-        else:
-            with self.autocommit.connect() as conn:
-                yield conn
 
 
 def _to_record(row: Any) -> Record:
