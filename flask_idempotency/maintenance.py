@@ -30,7 +30,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from .records import COMPLETED, IN_PROGRESS
-from .store import DurableStore, _describe
+from .store import DurableStore, _describe, _optional_int
 from .table import db_now_ms
 
 T = TypeVar("T")
@@ -234,9 +234,9 @@ class Maintenance:
             in_progress=int(row.in_progress),
             stale_leases=int(row.stale_leases),
             prunable=int(row.prunable),
-            oldest_in_progress_created_ms=_int_or_none(row.oldest_created),
-            oldest_in_progress_lease_ms=_int_or_none(row.oldest_lease),
-            oldest_expiry_ms=_int_or_none(row.oldest_expiry),
+            oldest_in_progress_created_ms=_optional_int(row.oldest_created),
+            oldest_in_progress_lease_ms=_optional_int(row.oldest_lease),
+            oldest_expiry_ms=_optional_int(row.oldest_expiry),
         )
 
     # -- one record -----------------------------------------------------------------------
@@ -277,11 +277,11 @@ class Maintenance:
             path=row.path,
             created_at_ms=int(row.created_at_ms),
             expires_at_ms=int(row.expires_at_ms),
-            lease_expires_at_ms=_int_or_none(row.lease_expires_at_ms),
-            completed_at_ms=_int_or_none(row.completed_at_ms),
-            response_status=_int_or_none(row.response_status),
+            lease_expires_at_ms=_optional_int(row.lease_expires_at_ms),
+            completed_at_ms=_optional_int(row.completed_at_ms),
+            response_status=_optional_int(row.response_status),
             response_headers=row.response_headers,
-            body_size=_int_or_none(row.body_size),
+            body_size=_optional_int(row.body_size),
             body_omitted=bool(row.body_omitted),
             body=bytes(row.response_body) if with_body and row.response_body is not None else None,
         )
@@ -450,7 +450,3 @@ def _case_one(condition: Any) -> Any:
 
 def _when(condition: Any, value: Any) -> Any:
     return case((condition, value), else_=None)
-
-
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else int(value)

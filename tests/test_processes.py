@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import requests
-from flask import jsonify
+from flask import Flask, jsonify
 from sqlalchemy import MetaData, func, select
 from sqlalchemy.engine import URL
 
-from flask_idempotency import idempotent
+from flask_idempotency import Idempotency, idempotent
 from flask_idempotency.extension import create_store_engine
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.records import COMPLETED
@@ -179,159 +179,137 @@ def test_c13_sigkilled_worker_lease_lapses_then_one_retry_runs(harness: ProcHarn
     assert completed is not None and completed.state == COMPLETED
 
 
-def test_c25_database_unreachable_gives_503_and_runs_nothing(
-    make_app: Any, pg_url: URL, pg_table: str
-) -> None:
+class ProxiedDatabase:
+    """This test's PostgreSQL behind a proxy the test can cut, and apps that use it."""
+
+    def __init__(self, pg_url: URL, table: str) -> None:
+        self.proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
+        self.url = pg_url.set(host="127.0.0.1", port=self.proxy.port).render_as_string(
+            hide_password=False
+        )
+        self.direct_url = pg_url.render_as_string(hide_password=False)
+        self.table = table
+
+    def app(self, **config: Any) -> Flask:
+        """An app on the proxied database; the table is created through the proxy if it is up."""
+        app = Flask("proxied_database_app")
+        app.config.update(
+            TESTING=True, IDEMPOTENCY_DATABASE_URI=self.url, IDEMPOTENCY_TABLE=self.table, **config
+        )
+        Idempotency(app)
+        return app
+
+    def close(self) -> None:
+        self.proxy.stop()
+        direct = create_store_engine(self.direct_url)
+        try:
+            DurableStore(lambda: direct, table_name=self.table).table.drop(direct, checkfirst=True)
+        finally:
+            direct.dispose()
+
+
+@pytest.fixture
+def database(pg_url: URL, pg_table: str) -> Iterator[ProxiedDatabase]:
+    proxied = ProxiedDatabase(pg_url, pg_table)
+    try:
+        yield proxied
+    finally:
+        proxied.close()
+
+
+def counting_view(app: Flask, before_return: Callable[[], None] | None = None) -> list[int]:
+    """``POST /pay``, protected, counting its executions."""
+    calls: list[int] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if before_return is not None:
+            before_return()
+        return jsonify(n=len(calls)), 201
+
+    return calls
+
+
+def test_c25_database_unreachable_gives_503_and_runs_nothing(database: ProxiedDatabase) -> None:
     """C25: with PostgreSQL cut off, protected requests get 503 problem+json and the view
     never runs."""
-    proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
-    try:
-        proxied = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(
-            hide_password=False
-        )
-        app, _ = make_app({"IDEMPOTENCY_DATABASE_URI": proxied, "IDEMPOTENCY_TABLE": pg_table})
-        calls: list[int] = []
+    app = database.app()
+    app.extensions["idempotency"].store.create_table()
+    calls = counting_view(app)
+    client = app.test_client()
+    first = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "before"})
+    assert first.status_code == 201 and calls == [1]
 
-        @app.post("/pay")
-        @idempotent
-        def pay():  # type: ignore[no-untyped-def]
-            calls.append(1)
-            return jsonify(n=len(calls)), 201
+    database.proxy.cut()
+    for key in ("during-1", "during-2", "before"):
+        down = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": key})
+        assert down.status_code == 503
+        assert down.headers["Content-Type"] == "application/problem+json"
+        assert down.get_json()["code"] == "store-unavailable"
+        assert int(down.headers["Retry-After"]) >= 1
+    assert calls == [1]  # nothing ran without a claim
 
-        client = app.test_client()
-        first = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "before"})
-        assert first.status_code == 201 and calls == [1]
+    unprotected = client.post("/pay", json={"a": 1})  # no key: not the layer's business
+    assert unprotected.status_code == 201 and calls == [1, 1]
 
-        proxy.cut()
-        for key in ("during-1", "during-2", "before"):
-            down = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": key})
-            assert down.status_code == 503
-            assert down.headers["Content-Type"] == "application/problem+json"
-            assert down.get_json()["code"] == "store-unavailable"
-            assert int(down.headers["Retry-After"]) >= 1
-        assert calls == [1]  # nothing ran without a claim
-
-        unprotected = client.post("/pay", json={"a": 1})  # no key: not the layer's business
-        assert unprotected.status_code == 201 and calls == [1, 1]
-
-        proxy.restore()
-        again = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "during-1"})
-        assert again.status_code == 201 and "Idempotent-Replayed" not in again.headers
-        replay = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "before"})
-        assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
-        assert replay.data == first.data
-        assert len(calls) == 3
-        direct = create_store_engine(pg_url.render_as_string(hide_password=False))
-        app.extensions["idempotency"].store.table.drop(direct, checkfirst=True)
-        direct.dispose()
-    finally:
-        proxy.stop()
+    database.proxy.restore()
+    again = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "during-1"})
+    assert again.status_code == 201 and "Idempotent-Replayed" not in again.headers
+    replay = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "before"})
+    assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.data == first.data
+    assert len(calls) == 3
 
 
-def test_c25_fail_open_runs_unprotected_and_says_so(
-    make_app: Any, pg_url: URL, pg_table: str
-) -> None:
+def test_c25_fail_open_runs_unprotected_and_says_so(database: ProxiedDatabase) -> None:
     """C25: IDEMPOTENCY_FAIL_OPEN runs the view without protection and marks the response."""
-    proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
-    try:
-        proxy.cut()
-        proxied = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(
-            hide_password=False
-        )
-        app, _ = _app_without_table(proxied, pg_table, fail_open=True)
-        calls: list[int] = []
-
-        @app.post("/pay")
-        @idempotent
-        def pay():  # type: ignore[no-untyped-def]
-            calls.append(1)
-            return jsonify(ok=True), 201
-
-        response = app.test_client().post("/pay", json={}, headers={"Idempotency-Key": "k"})
-        assert response.status_code == 201 and calls == [1]
-        assert response.headers["Idempotency-Unprotected"] == "store-unavailable"
-    finally:
-        proxy.stop()
-
-
-def _app_without_table(uri: str, table: str, *, fail_open: bool) -> Any:
-    """``make_app`` creates the table, which needs the database; build the app by hand instead."""
-    from flask import Flask
-
-    from flask_idempotency import Idempotency
-
-    app = Flask("fail_open_app")
-    app.config.update(
-        TESTING=True,
-        IDEMPOTENCY_DATABASE_URI=uri,
-        IDEMPOTENCY_TABLE=table,
-        IDEMPOTENCY_FAIL_OPEN=fail_open,
-    )
-    return app, Idempotency(app)
+    database.proxy.cut()
+    app = database.app(IDEMPOTENCY_FAIL_OPEN=True)
+    calls = counting_view(app)
+    response = app.test_client().post("/pay", json={}, headers={"Idempotency-Key": "k"})
+    assert response.status_code == 201 and calls == [1]
+    assert response.headers["Idempotency-Unprotected"] == "store-unavailable"
 
 
 def test_c25_response_survives_a_short_database_blip_after_the_view(
-    make_app: Any, pg_url: URL, pg_table: str
+    database: ProxiedDatabase,
 ) -> None:
     """C25/C15: the database drops right after the view ran and is back within a moment.
 
     The view's effects already happened, so the layer retries storing its response
     rather than leaving the claim to lapse (which would run the view again later).
     """
-    proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
-    try:
-        proxied = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(
-            hide_password=False
-        )
-        app, _ = make_app({"IDEMPOTENCY_DATABASE_URI": proxied, "IDEMPOTENCY_TABLE": pg_table})
-        calls: list[int] = []
+    app = database.app()
+    app.extensions["idempotency"].store.create_table()
 
-        @app.post("/pay")
-        @idempotent
-        def pay():  # type: ignore[no-untyped-def]
-            calls.append(1)
-            proxy.cut()  # the network drops between the view and the completion ...
-            threading.Timer(0.3, proxy.restore).start()  # ... and is back shortly
-            return jsonify(n=len(calls)), 201
+    def drop_the_network_briefly() -> None:  # between the view and the completion
+        database.proxy.cut()
+        threading.Timer(0.3, database.proxy.restore).start()
 
-        client = app.test_client()
-        first = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "blip"})
-        assert first.status_code == 201
-        replay = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "blip"})
-        assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
-        assert replay.data == first.data and calls == [1]
-        direct = create_store_engine(pg_url.render_as_string(hide_password=False))
-        app.extensions["idempotency"].store.table.drop(direct, checkfirst=True)
-        direct.dispose()
-    finally:
-        proxy.stop()
+    calls = counting_view(app, before_return=drop_the_network_briefly)
+    client = app.test_client()
+    first = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "blip"})
+    assert first.status_code == 201
+    replay = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "blip"})
+    assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.data == first.data and calls == [1]
 
 
 def test_c25_an_outage_is_logged_once_not_per_request(
-    make_app: Any, pg_url: URL, pg_table: str, caplog: Any
+    database: ProxiedDatabase, caplog: Any
 ) -> None:
     """C25: every request during the outage gets its 503; the log gets one line for them."""
-    proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
-    try:
-        proxy.cut()
-        proxied = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(
-            hide_password=False
-        )
-        app, _ = _app_without_table(proxied, pg_table, fail_open=False)
-
-        @app.post("/pay")
-        @idempotent
-        def pay():  # type: ignore[no-untyped-def]
-            return jsonify(ok=True), 201
-
-        client = app.test_client()
-        with caplog.at_level("WARNING", logger="flask_idempotency"):
-            statuses = [
-                client.post("/pay", json={}, headers={"Idempotency-Key": f"k{i}"}).status_code
-                for i in range(20)
-            ]
-        assert statuses == [503] * 20
-        lines = [r for r in caplog.records if "durable store unavailable" in r.getMessage()]
-        assert len(lines) == 1, [r.getMessage() for r in lines]
-    finally:
-        proxy.stop()
+    database.proxy.cut()
+    app = database.app()
+    counting_view(app)
+    client = app.test_client()
+    with caplog.at_level("WARNING", logger="flask_idempotency"):
+        statuses = [
+            client.post("/pay", json={}, headers={"Idempotency-Key": f"k{i}"}).status_code
+            for i in range(20)
+        ]
+    assert statuses == [503] * 20
+    lines = [r for r in caplog.records if "durable store unavailable" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
