@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from . import signals
 from .config import ConfigVars
-from .decorators import idempotent, release_claim
+from .decorators import current_key_digest, idempotent, release_claim
 from .extension import Idempotency
 from .problems import (
     IdempotencyProblem,
@@ -35,6 +35,7 @@ __all__ = [
     "MissingKey",
     "RequestInProgress",
     "StoreUnavailable",
+    "current_key_digest",
     "idempotent",
     "release_claim",
     "signals",

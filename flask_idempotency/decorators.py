@@ -85,3 +85,15 @@ def release_claim() -> bool:
         return False
     own.release_requested = True
     return True
+
+
+def current_key_digest() -> str | None:
+    """The digest of (scope, key) this request owns, or ``None`` when it owns none.
+
+    Stable across every retry of the same request and different for any other
+    request or scope, so it makes a good downstream idempotency key, e.g. for a
+    payment gateway: ``f"shop-{current_key_digest()[:32]}"``. The raw key never
+    leaves the request (C30).
+    """
+    own: Ownership | None = g.get("_idempotency")
+    return None if own is None else own.ident.key_digest

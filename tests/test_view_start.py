@@ -79,3 +79,23 @@ def test_r48_class_based_view_is_tracked(make_app) -> None:
     assert first.get_json() == again.get_json() == {"id": 1}
     assert again.headers["Idempotent-Replayed"] == "true"
     assert calls == ["post"]
+
+
+def test_c30_current_key_digest_names_the_owned_record_only(make_app) -> None:
+    """The digest is the record's name: the same on a retry, None without a claim."""
+    from flask_idempotency import current_key_digest
+    from flask_idempotency.fingerprint import key_digest
+
+    app, _ = make_app()
+    seen: list[str | None] = []
+
+    @app.post("/charge")
+    @idempotent
+    def charge():
+        seen.append(current_key_digest())
+        return "charged", 201
+
+    client = app.test_client()
+    client.post("/charge", headers=KEY)  # owns the key
+    client.post("/charge")  # no key: runs unprotected
+    assert seen == [key_digest("anonymous", "view-start"), None]
