@@ -154,13 +154,21 @@ class DurableStore:
         for _ in range(_ATTEMPTS):
             token = uuid.uuid4().hex
 
-            def insert(conn: Connection, token: str = token) -> Claim | None:
-                return self._insert(conn, ident, token, ttl_ms, lease_ms)
+            def claim_or_read(conn: Connection, token: str = token) -> Claim | Record | None:
+                # One transaction for both: at READ COMMITTED the SELECT takes a fresh
+                # snapshot and sees the row that made the INSERT do nothing.
+                claim = self._insert(conn, ident, token, ttl_ms, lease_ms)
+                return claim if claim is not None else self._select(conn, ident.key_digest)
 
-            claim = self._run_locked(insert) if guard_locks else self._run(insert)
-            if claim is not None:
-                return claim
-            record = self.get(ident.key_digest)
+            if guard_locks:
+                outcome = self._run_locked(claim_or_read)
+                if outcome is None:  # the row was locked: read it without waiting
+                    outcome = self.get(ident.key_digest)
+            else:
+                outcome = self._run(claim_or_read)
+            if isinstance(outcome, Claim):
+                return outcome
+            record = outcome
             if record is None:
                 continue  # released or pruned between the two statements: claim again
             if record.expired:
@@ -330,14 +338,16 @@ class DurableStore:
 
     def get(self, key_digest: str) -> Record | None:
         """The record named ``key_digest``, read with the database clock (no lock taken, R74)."""
+        return self._run(lambda conn: self._select(conn, key_digest))
+
+    def _select(self, conn: Connection, key_digest: str) -> Record | None:
         stmt = self._get_stmt
         if stmt is None:
             t = self.table
             stmt = self._get_stmt = select(t, db_now_ms().label("now_ms")).where(
                 t.c.key_digest == bindparam("p_key_digest")
             )
-        params = {"p_key_digest": key_digest}
-        row = self._run(lambda c: c.execute(stmt, params).first())
+        row = conn.execute(stmt, {"p_key_digest": key_digest}).first()
         return None if row is None else _to_record(row)
 
     # -- the owner's writes, fenced by its token --------------------------------------
