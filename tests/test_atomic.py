@@ -37,6 +37,7 @@ from tests.support.kill_campaign import (
     make_schedule,
     settle_all,
 )
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -68,15 +69,6 @@ def make_payments_app(harness: AtomicHarness) -> Iterator[Callable[..., AtomicAp
     yield factory
     for handles in built:
         handles.dispose()
-
-
-def wait_until(condition: Callable[[], bool], within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def kill_and_settle(harness: AtomicHarness, *, atomic: bool) -> tuple[CampaignResult, list[str]]:
@@ -218,7 +210,7 @@ def test_c40_lost_lease_rolls_back_the_late_owners_writes(
     thread.start()
     try:
         assert holding.wait(30)
-        wait_until(lambda: not harness.record(key).lease_live, 30, "the original's lease to lapse")  # type: ignore[union-attr]
+        wait_until(lambda: not harness.record(key).lease_live, "the original's lease to lapse")  # type: ignore[union-attr]
         taker = payments.app.test_client().post(
             "/payments", json=body, headers={"Idempotency-Key": key}
         )
@@ -291,7 +283,7 @@ def test_c40_duplicate_does_not_queue_behind_an_owner_inside_its_commit(
     try:
         assert in_commit.wait(30)
         if lease_state == "lapsed":
-            wait_until(lambda: not harness.record(key).lease_live, 30, "the owner's lease to lapse")  # type: ignore[union-attr]
+            wait_until(lambda: not harness.record(key).lease_live, "the owner's lease to lapse")  # type: ignore[union-attr]
         duplicate_thread.start()
         answered_during_commit = duplicate_answered.wait(DUPLICATE_ANSWER_WITHIN)
     finally:
@@ -346,7 +338,7 @@ def test_c40_record_row_is_not_locked_while_the_views_writes_wait_to_flush(
         thread.start()
         try:
             wait_until(
-                lambda: _waiting_insert(harness), 30, "the view's INSERT to wait for the table lock"
+                lambda: _waiting_insert(harness), "the view's INSERT to wait for the table lock"
             )
             with harness.engine.connect() as probe:
                 locked = probe.execute(

@@ -8,12 +8,12 @@ are parked from the wake-up hub, so nothing depends on timing.
 
 from __future__ import annotations
 
+import functools
 import gc
 import gzip
 import json
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -35,6 +35,7 @@ from flask_idempotency import Idempotency, idempotent, release_claim, signals
 from flask_idempotency.fingerprint import key_digest, request_fingerprint
 from flask_idempotency.records import Claim, Identity
 from flask_idempotency.table import db_now_ms
+from tests.support.waiting import wait_until as _wait_until
 
 KEY = {"Idempotency-Key": "key-1"}
 REPLAYED = "Idempotent-Replayed"
@@ -68,11 +69,7 @@ def wait_for_db_clock(app: Flask, past_ms: int) -> None:
         time.sleep(0.02)
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + PARK_LIMIT
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        time.sleep(0.005)
+wait_until = functools.partial(_wait_until, within=PARK_LIMIT)
 
 
 def parked(app: Flask) -> int:

@@ -10,7 +10,6 @@ import collections
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,6 +28,7 @@ from flask_idempotency.store import DurableStore
 from tests.apps.procapp import executions_table
 from tests.support.gunicorn import GunicornServer, pid_alive
 from tests.support.tcp_proxy import TcpProxy
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -90,15 +90,6 @@ def post(
     )
 
 
-def wait_until(condition: Callable[[], bool], within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.parametrize("preload", [False, True], ids=["fork-then-load", "preload"])
 def test_c8_one_execution_per_key_across_gunicorn_workers(
     harness: ProcHarness, preload: bool
@@ -151,12 +142,12 @@ def test_c13_sigkilled_worker_lease_lapses_then_one_retry_runs(harness: ProcHarn
 
     client = threading.Thread(target=doomed_request)
     client.start()
-    wait_until(lambda: len(harness.executions_of(key)) == 1, 30, "the doomed view to start")
+    wait_until(lambda: len(harness.executions_of(key)) == 1, "the doomed view to start")
     victim = harness.executions_of(key)[0].pid
     os.kill(victim, signal.SIGKILL)
     client.join(timeout=60)
     assert "error" in outcome or outcome["response"].status_code >= 500
-    wait_until(lambda: not pid_alive(victim), 10, "the killed worker to die")
+    wait_until(lambda: not pid_alive(victim), "the killed worker to die", within=10)
     server.wait_for_workers()
 
     digest = key_digest("anonymous", key)
@@ -167,7 +158,7 @@ def test_c13_sigkilled_worker_lease_lapses_then_one_retry_runs(harness: ProcHarn
     assert early.headers["Content-Type"] == "application/problem+json"
     assert int(early.headers["Retry-After"]) >= 1
 
-    wait_until(lambda: not harness.store.get(digest).lease_live, 30, "the lease to lapse")  # type: ignore[union-attr]
+    wait_until(lambda: not harness.store.get(digest).lease_live, "the lease to lapse")  # type: ignore[union-attr]
     with ThreadPoolExecutor(max_workers=10) as pool:
         retries = list(pool.map(lambda _: post(server, key, body), range(10)))
     statuses = collections.Counter(r.status_code for r in retries)

@@ -7,6 +7,7 @@ flush, kill and restart it. Rules: C10, C22–C25, C30; races X7, X15, X16.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from flask_idempotency.wakeup import PollSchedule
 from tests.conftest import redis_server_binary
 from tests.support.gunicorn import GunicornServer, free_port
 from tests.support.redis_server import RedisServer
+from tests.support.waiting import wait_until as _wait_until
 from tests.test_processes import ProcHarness
 
 pytestmark = [pytest.mark.redis, pytest.mark.postgres]
@@ -115,12 +117,7 @@ def replay_sources(app: Flask) -> Iterator[list[str]]:
         yield sources
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = EVENTUALLY) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+wait_for = functools.partial(_wait_until, within=EVENTUALLY)
 
 
 @pytest.fixture

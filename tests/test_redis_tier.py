@@ -7,6 +7,7 @@ PostgreSQL is proven in ``test_redis_real.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.records import Completed
 from flask_idempotency.redis_tier import Outage, RedisTier
 from flask_idempotency.wakeup import PollSchedule, WakeupHub
+from tests.support.waiting import wait_until as _wait_until
 
 RAW_KEY = "raw-key-7Qx!secret"
 EVENTUALLY = 30.0
@@ -104,12 +106,7 @@ def delete_durable_row(env: SimpleNamespace) -> None:
         conn.execute(table.delete())
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = EVENTUALLY) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+wait_for = functools.partial(_wait_until, within=EVENTUALLY)
 
 
 def published(subscriber: Any, timeout: float) -> list[bytes]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,6 +33,7 @@ from tests.conftest import redis_server_binary
 from tests.support.gunicorn import GunicornServer
 from tests.support.redis_server import RedisServer
 from tests.support.tcp_proxy import TcpProxy
+from tests.support.waiting import wait_until as _wait_until
 
 #: Seconds any "eventually" may take on a loaded 2-core machine.
 EVENTUALLY = 60.0
@@ -249,9 +250,4 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         )
 
 
-def wait_until(condition: Callable[[], bool], what: str, within: float = EVENTUALLY) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+wait_until = functools.partial(_wait_until, within=EVENTUALLY)
