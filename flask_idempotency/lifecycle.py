@@ -184,7 +184,7 @@ def _wait_for_original(decision: _Decision, record: Record) -> Claim | Completed
     try:
         with hub.parked(decision.ident.key_digest) as parked:
             # With pub/sub confirmed, polling is only the safety net for a lost message.
-            live = hub.cross_process_live
+            live = parked.cross_process_live
             polls = PollSchedule(first=0.1 if live else 0.025, cap=1.0 if live else 0.5)
             while True:
                 outcome = _look_up(decision)

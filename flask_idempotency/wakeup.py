@@ -24,10 +24,12 @@ class TooManyWaiters(Exception):
 class Parked:
     """One parked request's wake-up event."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_event", "cross_process_live")
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        #: Whether other processes' completions reach this waiter as messages (else poll faster).
+        self.cross_process_live = False
 
     def wait(self, timeout: float) -> bool:
         """Sleep until woken or ``timeout`` passes; ``True`` if woken. Re-arms itself."""
@@ -73,7 +75,7 @@ class WakeupHub:
             self._count += 1
         try:
             if self.channel is not None:
-                self.channel.ensure_listening(self)
+                parked.cross_process_live = self.channel.ensure_listening(self)
             yield parked
         finally:
             with self._lock:
@@ -83,12 +85,6 @@ class WakeupHub:
                     if not waiters:
                         del self._waiters[key_digest]
                 self._count -= 1
-
-    @property
-    def cross_process_live(self) -> bool:
-        """Whether other processes' completions reach us as messages (else we poll faster)."""
-        channel = self.channel
-        return channel is not None and channel.ensure_listening(self)
 
     def wake(self, key_digest: str) -> None:
         """Wake every waiter of ``key_digest`` in this process."""

@@ -354,6 +354,8 @@ def park_hook(hub: WakeupHub, before_sleep: Callable[[], None]) -> None:
         with original(digest) as slot:
 
             class Hooked:
+                cross_process_live = slot.cross_process_live
+
                 def wait(self, timeout: float) -> bool:
                     if not fired.is_set():
                         fired.set()
@@ -485,8 +487,10 @@ def test_x2_ensure_listening_is_true_only_after_the_acknowledgement(server):
     release = threading.Event()
     tier = RedisTier(HeldAck(fakeredis.FakeRedis(server=server), release), first_wait=0.05)
     hub = WakeupHub()
+    hub.channel = tier
     assert tier.ensure_listening(hub) is False
-    assert hub.cross_process_live is False
+    with hub.parked("d" * 64) as parked:
+        assert parked.cross_process_live is False  # so the waiter polls at the fast pace
     release.set()
     assert tier.listener.wait_until_live(EVENTUALLY)
     assert tier.ensure_listening(hub) is True
