@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PORT ?= 5000
 HOST ?= 127.0.0.1
 
-.PHONY: install run test test-fast lint chaos bench clean
+.PHONY: install system-deps run test test-fast lint chaos bench clean
 
 install: $(STAMP)
 
@@ -21,7 +21,12 @@ $(STAMP): setup.cfg pyproject.toml
 run: install
 	$(PY) -m example.serve --host $(HOST) --port $(PORT)
 
-test: install
+# The servers and tools the suite drives (pgbouncer, chromium, redis-tools, MariaDB): installed
+# and started by tools/system-deps.sh where it may (root with apt), else named as missing.
+system-deps:
+	@bash tools/system-deps.sh
+
+test: install system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install
