@@ -168,6 +168,7 @@ class Idempotency:
             metadata=metadata,
             table_name=settings.table,
             create_table=bool(create_table),
+            async_claim=settings.async_claim,
         )
 
     def _build_cache(self, app: Flask, settings: Settings, wakeups: WakeupHub) -> ResponseCache:

@@ -27,7 +27,7 @@ from .keys import InvalidKey, parse_key
 from .problems import InvalidKeyProblem, KeyReused, MissingKey, RequestInProgress, StoreUnavailable
 from .records import COMPLETED, IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .responses import capture, replay
-from .store import StoreError
+from .store import StoreError, StoreMisconfigured
 from .wakeup import PollSchedule, TooManyWaiters
 
 if TYPE_CHECKING:
@@ -316,6 +316,13 @@ class ThrottledLog:
 
 def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
     settings = decision.state.settings
+    if isinstance(exc, StoreMisconfigured):  # a deployment error: never fail open for it (C45)
+        log.error("idempotency: %s", exc)
+        _emit(signals.store_error, decision, tier="database", error=str(exc), action="claim")
+        raise StoreUnavailable(
+            "The idempotency table is not set up, so the request was not processed.",
+            retry_after=_STORE_RETRY_AFTER,
+        )
     decision.state.outage_log.warning(
         "idempotency: durable store unavailable (%s), e.g. for key %s",
         exc,
