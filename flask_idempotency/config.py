@@ -37,6 +37,9 @@ NEVER_REPLAYED = frozenset(
 #: never stored (C16).
 TRANSIENT_STATUSES = frozenset({408, 409, 423, 425, 429})
 
+#: Isolation levels a transactional route may ask for, as SQL spells them (C43).
+ISOLATION_LEVELS = frozenset({"READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"})
+
 
 class ConfigVars:
     """The ``app.config`` keys this extension reads."""
@@ -64,6 +67,8 @@ class ConfigVars:
     CREATE_TABLE = "IDEMPOTENCY_CREATE_TABLE"
     REDIS_SOCKET_TIMEOUT = "IDEMPOTENCY_REDIS_SOCKET_TIMEOUT"
     ASYNC_CLAIM = "IDEMPOTENCY_ASYNC_CLAIM"
+    HEARTBEAT = "IDEMPOTENCY_HEARTBEAT"
+    MAX_RUNTIME = "IDEMPOTENCY_MAX_RUNTIME"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +106,10 @@ class Settings:
     #: per first execution). A crash or failover can then lose a claim whose owner still
     #: runs, and a retry runs the view at the same time. Off: the claim is durable.
     async_claim: bool = False
+    #: Renew a running owner's lease in the background, about every lease/3 (C44).
+    heartbeat: bool = True
+    #: Seconds after its claim that an owner stops renewing, so a hung view lets go (C44).
+    max_runtime: float = 900.0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Settings:
@@ -173,6 +182,8 @@ class Settings:
             redis_socket_timeout=_seconds(
                 self.redis_socket_timeout, "IDEMPOTENCY_REDIS_SOCKET_TIMEOUT"
             ),
+            heartbeat=_flag(self.heartbeat, "IDEMPOTENCY_HEARTBEAT"),
+            max_runtime=_seconds(self.max_runtime, "IDEMPOTENCY_MAX_RUNTIME"),
             problem_type_base=base if base.endswith(("/", "#", ":")) else base + "/",
         )
 
@@ -188,6 +199,10 @@ class RouteOptions:
     methods: frozenset[str] | None = None
     atomic: bool | None = None
     store_server_errors: bool | None = None
+    #: Transactional mode only: the view's transaction runs at this level (C43).
+    isolation: str | None = None
+    #: Transactional mode only: re-runs of the view after 40001/40P01 (C43).
+    retries: int | None = None
 
     def __post_init__(self) -> None:
         if self.methods is not None:
@@ -203,6 +218,17 @@ class RouteOptions:
                 object.__setattr__(self, name, _flag(value, f"@idempotent({name}=...)"))
         if self.ttl is not None and self.lease is not None and self.lease >= self.ttl:
             raise ValueError("@idempotent(lease=...) must be shorter than its ttl.")
+        if self.isolation is not None:
+            object.__setattr__(
+                self, "isolation", _isolation(self.isolation, "@idempotent(isolation=...)")
+            )
+        if self.retries is not None:
+            retries = _integer(self.retries, "@idempotent(retries=...)")
+            if not 0 <= retries <= 100:
+                raise ValueError("@idempotent(retries=...) must be between 0 and 100.")
+            object.__setattr__(self, "retries", retries)
+        if (self.isolation is not None or self.retries is not None) and self.atomic is False:
+            raise ValueError("@idempotent(isolation=..., retries=...) need atomic=True.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +242,8 @@ class EffectiveOptions:
     methods: frozenset[str]
     atomic: bool
     store_server_errors: bool
+    isolation: str | None = None
+    retries: int = 0
 
     @classmethod
     def merge(cls, settings: Settings, route: RouteOptions) -> EffectiveOptions:
@@ -231,9 +259,16 @@ class EffectiveOptions:
             methods=pick("methods"),
             atomic=bool(pick("atomic")),
             store_server_errors=bool(pick("store_server_errors")),
+            isolation=route.isolation,
+            retries=route.retries or 0,
         )
         if options.lease >= options.ttl:
             raise ValueError("The lease of an idempotent route must be shorter than its ttl.")
+        if (route.isolation is not None or route.retries is not None) and not options.atomic:
+            raise ValueError(
+                "isolation= and retries= apply to transactional mode: add atomic=True"
+                " (or set IDEMPOTENCY_ATOMIC)."
+            )
         return options
 
 
@@ -267,6 +302,15 @@ def _upper_set(value: Any, name: str) -> frozenset[str]:
             " or replayed; a key sent with them is ignored."
         )
     return frozenset(methods)
+
+
+def _isolation(value: Any, name: str) -> str:
+    """``"serializable"`` or ``"REPEATABLE_READ"`` → the SQL spelling; anything else fails."""
+    level = value.strip().upper().replace("_", " ") if isinstance(value, str) else None
+    if level not in ISOLATION_LEVELS:
+        levels = ", ".join(sorted(ISOLATION_LEVELS))
+        raise ValueError(f"{name} must be one of {levels}, not {value!r}.")
+    return level
 
 
 def _header_name(value: Any, name: str) -> str:
