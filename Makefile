@@ -3,22 +3,41 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+RUN_STAMP := $(VENV)/.run-stamp
+DOCS_STAMP := $(VENV)/.docs-stamp
+DIST_STAMP := $(VENV)/.dist-stamp
 PORT ?= 5000
 HOST ?= 127.0.0.1
 
-.PHONY: install run test test-fast lint chaos bench clean
+.PHONY: install run test test-fast lint chaos bench docs dist package-check clean
 
 install: $(STAMP)
 
+# The development install: the package (editable) with everything the tests need.
 $(STAMP): setup.cfg pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
+
+# What `make run` needs and nothing more (no test tools), so a first run starts quickly.
+$(RUN_STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[example]'
+	touch $(RUN_STAMP)
+
+$(DOCS_STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+$(DIST_STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet build twine
+	touch $(DIST_STAMP)
 
 # The example payments API on the embedded default (SQLite in instance/, no Redis);
 # DATABASE_URL / REDIS_URL / GATEWAY_LATENCY change that (see README).
-run: install
+run: $(RUN_STAMP)
 	$(PY) -m example.serve --host $(HOST) --port $(PORT)
 
 test: install
@@ -33,8 +52,8 @@ chaos: install
 	$(PY) -m pytest -m chaos -p no:randomly -q -s $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check flask_idempotency tests example bench
-	$(VENV)/bin/ruff format --check flask_idempotency tests example bench
+	$(VENV)/bin/ruff check flask_idempotency tests example bench recipes docs
+	$(VENV)/bin/ruff format --check flask_idempotency tests example bench recipes docs
 	$(VENV)/bin/mypy
 
 # Latency, wake-up and throughput figures against PostgreSQL and Redis, with idemkit side by
@@ -43,5 +62,24 @@ bench: install
 	$(PY) -c "import matplotlib, idemkit, asyncpg" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/run.py $(BENCH_ARGS)
 
+# The Sphinx site in docs/_build/html, warnings as errors; then headless Chromium takes
+# screenshots of the home page and the API reference (docs/_build/screenshots/) and
+# checks that every C-number cited in the code and tests has its anchor.
+docs: $(DOCS_STAMP)
+	rm -rf docs/_build/html
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	$(PY) docs/check_site.py docs/_build
+
+# A wheel and an sdist in dist/, checked by twine.
+dist: $(DIST_STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
+
+# Installs the built wheel (not this checkout) into a fresh virtualenv and runs the
+# quick start there.
+package-check: dist
+	$(PYTHON) .ci/package_check.py dist
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache docs/_build
