@@ -52,8 +52,8 @@ chaos: install
 	$(PY) -m pytest -m chaos -p no:randomly -q -s $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check flask_idempotency tests example bench recipes docs
-	$(VENV)/bin/ruff format --check flask_idempotency tests example bench recipes docs
+	$(VENV)/bin/ruff check flask_idempotency tests example bench recipes docs/conf.py docs/_ext docs/check_site.py .ci/package_check.py
+	$(VENV)/bin/ruff format --check flask_idempotency tests example bench recipes docs/conf.py docs/_ext docs/check_site.py .ci/package_check.py
 	$(VENV)/bin/mypy
 
 # Latency, wake-up and throughput figures against PostgreSQL and Redis, with idemkit side by
