@@ -19,7 +19,7 @@ endif
 PORT ?= 5000
 HOST ?= 127.0.0.1
 
-.PHONY: install system-deps run test test-fast lint chaos bench docs dist package-check clean
+.PHONY: install system-deps run test test-fast test-versions lint chaos bench docs dist package-check clean
 
 install: $(STAMP)
 
@@ -70,6 +70,13 @@ test-fast: install
 # off behind loopback proxies (tests/chaos/); `make test` runs it too.
 chaos: install
 	$(PY) -m pytest -m chaos -p no:randomly -q -s $(PYTEST_ARGS)
+
+# Supported versions, tested: the oldest set (Python 3.10, Flask 2.3.0, Werkzeug 2.3.0,
+# SQLAlchemy 2.0.0, redis-py 5.0.0) and the newest (Python 3.13, latest releases), each in
+# its own nox virtualenv, fast suite plus the PostgreSQL/Redis/PgBouncer smoke tests.
+test-versions: install
+	$(PY) -c "import nox" 2>/dev/null || $(PY) -m pip install --quiet 'nox>=2024.3'
+	$(PY) -m nox $(NOX_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check flask_idempotency tests example bench recipes docs/conf.py docs/_ext docs/check_site.py .ci/package_check.py
