@@ -418,7 +418,7 @@ def forget_command(
 @idempotency_cli.command("check")
 @database_errors
 def check_command() -> None:
-    """Check that the database answers and the table matches this version's definition."""
+    """Check the database and the table against this version's definition, then the Redis tier."""
     maintenance = _maintenance()
     report = maintenance.check_schema()
     if not report.exists:
