@@ -31,6 +31,8 @@ def idempotent(
     methods: Iterable[str] | None = None,
     atomic: bool | None = None,
     store_server_errors: bool | None = None,
+    isolation: str | None = None,
+    retries: int | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -44,11 +46,17 @@ def idempotent(
     methods: Iterable[str] | None = None,
     atomic: bool | None = None,
     store_server_errors: bool | None = None,
+    isolation: str | None = None,
+    retries: int | None = None,
 ) -> Any:
     """Protect a view with Idempotency-Key handling.
 
     Bare (``@idempotent``) it uses the app's ``IDEMPOTENCY_*`` settings; each
-    keyword overrides one of them for this view only.
+    keyword overrides one of them for this view only. In transactional mode
+    (``atomic=True``), ``isolation`` (``"READ COMMITTED"``, ``"REPEATABLE READ"``,
+    ``"SERIALIZABLE"``) is the level of the view's transaction, and ``retries``
+    how often a serialization failure or deadlock runs the view again, in a fresh
+    transaction under the same claim (C43).
     """
     options = RouteOptions(
         required=required,
@@ -58,6 +66,8 @@ def idempotent(
         methods=frozenset(methods) if methods is not None else None,
         atomic=atomic,
         store_server_errors=store_server_errors,
+        isolation=isolation,
+        retries=retries,
     )
 
     def mark(func: F) -> F:

@@ -216,6 +216,7 @@ class Idempotency:
             metadata=metadata,
             table_name=settings.table,
             create_table=bool(create_table),
+            async_claim=settings.async_claim,
         )
 
     def _build_cache(self, app: Flask, settings: Settings, wakeups: WakeupHub) -> ResponseCache:
@@ -314,13 +315,23 @@ def _lazy_engine(uri: str) -> Callable[[], Engine]:
 
 
 def create_store_engine(uri: str, **options: Any) -> Engine:
-    """An engine tuned for the store: fail fast when the database is unreachable (C25)."""
+    """An engine tuned for the store: fail fast when the database is unreachable (C25).
+
+    PostgreSQL engines work behind a transaction pooler such as PgBouncer on both
+    drivers: psycopg2 never prepares, and psycopg 3 is told not to.
+    """
     url = make_url(uri)
     backend = url.get_backend_name()
     kwargs: dict[str, Any] = {}
     if backend == "postgresql":
-        if url.get_driver_name() in ("psycopg2", ""):
+        driver = url.get_driver_name()
+        if driver in ("psycopg2", ""):
             kwargs["connect_args"] = {"connect_timeout": 3}
+        elif driver == "psycopg":
+            # No server-side prepared statements: behind a transaction pooler (PgBouncer)
+            # the next transaction may run on another server connection, where "_pg3_0"
+            # already exists or does not exist at all.
+            kwargs["connect_args"] = {"connect_timeout": 3, "prepare_threshold": None}
         kwargs["pool_size"] = 10
         kwargs["max_overflow"] = 20
         kwargs["pool_timeout"] = 5
