@@ -14,9 +14,10 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import StaticPool
 
-from . import atomic, lifecycle
+from . import atomic, lifecycle, process
 from .cache import NoCache, ResponseCache
 from .config import ConfigVars, EffectiveOptions, RouteOptions, Settings
+from .dbclock import DatabaseClock
 from .fingerprint import default_scope
 from .store import DurableStore
 from .wakeup import WakeupHub
@@ -34,6 +35,8 @@ class AppState:
     store: DurableStore
     cache: ResponseCache
     wakeups: WakeupHub
+    #: The database's clock as seen from this process: how long a cached copy may live (C42).
+    clock: DatabaseClock = dataclasses.field(default_factory=DatabaseClock)
     _options: dict[RouteOptions, EffectiveOptions] = dataclasses.field(default_factory=dict)
     #: One line per outage of the durable store, not one per failed request.
     outage_log: lifecycle.ThrottledLog = dataclasses.field(default_factory=lifecycle.ThrottledLog)
@@ -128,7 +131,7 @@ class Idempotency:
         _check_registered_views(app, settings)
         store = self._build_store(app, settings)
         wakeups = WakeupHub(max_waiters=settings.max_waiters)
-        cache = self._build_cache(app, settings, wakeups)
+        cache = self._build_cache(settings, store, wakeups)
         app.extensions[EXTENSION_NAME] = AppState(self, settings, store, cache, wakeups)
         app.before_request(lifecycle.before_request)
         app.after_request(lifecycle.after_request)
@@ -219,14 +222,20 @@ class Idempotency:
             async_claim=settings.async_claim,
         )
 
-    def _build_cache(self, app: Flask, settings: Settings, wakeups: WakeupHub) -> ResponseCache:
+    def _build_cache(
+        self, settings: Settings, store: DurableStore, wakeups: WakeupHub
+    ) -> ResponseCache:
         if self._redis is None and not settings.redis_url:
             return NoCache()
-        from .redis_tier import RedisTier
+        from .redis_tier import RedisTier, store_origin
 
-        tier = RedisTier.from_settings(settings, client=self._redis)
-        wakeups.channel = tier
-        return tier
+        def origin() -> str:
+            # Resolved on first use: with db= or engine= the engine may not exist yet.
+            return store_origin(store.engine_without_setup().url, store.table.fullname)
+
+        tier = RedisTier.from_settings(settings, client=self._redis, origin=origin)
+        wakeups.channel = tier.notifier
+        return tier.cache
 
 
 def redis_target(settings: Settings, client: Any) -> str | None:
@@ -302,14 +311,18 @@ def _check_registered_views(app: Flask, settings: Settings) -> None:
 
 
 def _lazy_engine(uri: str) -> Callable[[], Engine]:
-    lock = threading.Lock()
-    engine: list[Engine] = []
+    """The engine for ``uri``, built on first use and owned by :mod:`process` (reset after
+    fork). No lock: building an engine opens no connection, so racing first requests may
+    both build one and agree on the first stored (a lock made here, before gevent patched
+    ``threading`` under ``--preload``, would stall a gevent worker)."""
+    slot: dict[str, Engine] = {}
 
     def factory() -> Engine:
-        with lock:
-            if not engine:
-                engine.append(create_store_engine(uri))
-            return engine[0]
+        engine = slot.get("value")
+        if engine is None:
+            engine = process.once(slot, lambda: create_store_engine(uri))
+            process.own_engine(engine)
+        return engine
 
     return factory
 

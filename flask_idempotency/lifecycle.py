@@ -40,8 +40,6 @@ log = logging.getLogger("flask_idempotency")
 ROUTE_OPTIONS_ATTR = "__idempotency_options__"
 #: Header on a response the view produced without protection (``IDEMPOTENCY_FAIL_OPEN``).
 UNPROTECTED_HEADER = "Idempotency-Unprotected"
-#: A cached record this close to its expiry counts as a miss (clock skew, race X13).
-_CACHE_SKEW_MS = 5000
 _STORE_RETRY_AFTER = 3.0
 #: Where a request's ownership lives: its WSGI environ, not ``g``. ``g`` belongs to the
 #: app context, which a request shares with the next one pushed inside it (a test under
@@ -125,6 +123,11 @@ def before_request() -> Response | None:
     try:
         return _decide(decision)
     except StoreError as exc:
+        # The database is down: a cached record may still answer a replay (15.6).
+        cached = state.cache.probe(ident.key_digest)
+        if cached is not None:
+            decision.source = "cache"
+            return _answer(decision, cached)
         return _store_down(decision, exc)
 
 
@@ -157,21 +160,28 @@ def _decide(decision: _Decision) -> Response | None:
 def _look_up(decision: _Decision) -> Claim | Completed | Record:
     """Cache first (completed records only), then claim or read the durable record."""
     digest = decision.ident.key_digest
-    cached = decision.state.cache.get(digest)
-    if cached is not None and cached.expires_at_ms - _CACHE_SKEW_MS > time.time() * 1000:
+    state = decision.state
+    cached = state.cache.get(digest)
+    if cached is not None:  # Redis expires each copy when its record expires (C42)
         decision.source = "cache"
         return cached
-    outcome = decision.state.store.acquire(
+    sent_at = state.clock.mark()
+    outcome = state.store.acquire(
         decision.ident,
         ttl=decision.options.ttl,
         lease=decision.options.lease,
         guard_locks=decision.options.atomic,
     )
-    if isinstance(outcome, Record) and outcome.state == COMPLETED:
-        decision.source = "database"
-        completed = outcome.completed()
-        decision.state.cache.promote(digest, completed, publish=False)  # read-through (C23)
-        return completed
+    if isinstance(outcome, Record):
+        state.clock.observe(outcome.now_ms, sent_at)
+        if outcome.state == COMPLETED:
+            decision.source = "database"
+            completed = outcome.completed()
+            remaining = state.clock.remaining_ms(completed.expires_at_ms)
+            state.cache.promote(digest, completed, remaining)  # read-through (C23)
+            return completed
+    elif outcome.how in ("new", "replaced"):  # the database set expiry = its now + ttl
+        state.clock.observe(outcome.expires_at_ms - int(decision.options.ttl * 1000), sent_at)
     return outcome
 
 
@@ -574,8 +584,9 @@ def _completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> No
     state: AppState = current_app.extensions["idempotency"]
     digest = own.ident.key_digest
     completed = Completed(own.ident.fingerprint, expires_at_ms, stored)
-    state.cache.promote(digest, completed, publish=True)  # C23: after the commit
-    state.wakeups.wake(digest)
+    remaining = state.clock.remaining_ms(expires_at_ms)
+    state.cache.promote(digest, completed, remaining)  # C23: after the commit
+    state.wakeups.announce(digest, "done")
     _emit_owned(
         signals.response_stored, own, status=stored.status, body_omitted=stored.body_omitted
     )
