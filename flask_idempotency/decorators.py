@@ -10,10 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
 
-from flask import g
-
 from .config import RouteOptions
-from .lifecycle import ROUTE_OPTIONS_ATTR, Ownership
+from .lifecycle import ROUTE_OPTIONS_ATTR, current_ownership
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -90,7 +88,7 @@ def release_claim() -> bool:
     effect (a validation failure, say): the client can fix the request and retry
     with the same key. Returns ``False`` when the request owns no claim.
     """
-    own: Ownership | None = g.get("_idempotency")
+    own = current_ownership()
     if own is None:
         return False
     own.release_requested = True
@@ -105,5 +103,5 @@ def current_key_digest() -> str | None:
     payment gateway: ``f"shop-{current_key_digest()[:32]}"``. The raw key never
     leaves the request (C30).
     """
-    own: Ownership | None = g.get("_idempotency")
+    own = current_ownership()
     return None if own is None else own.ident.key_digest

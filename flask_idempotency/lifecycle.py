@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from flask import Response, current_app, g, request
+from flask import Response, current_app, has_request_context, request
 
 from . import atomic, heartbeat, signals
 from .config import TRANSIENT_STATUSES, EffectiveOptions, RouteOptions
@@ -28,7 +28,7 @@ from .keys import InvalidKey, parse_key
 from .problems import InvalidKeyProblem, KeyReused, MissingKey, RequestInProgress, StoreUnavailable
 from .records import COMPLETED, IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .responses import capture, replay
-from .store import StoreError
+from .store import StoreError, StoreMisconfigured
 from .wakeup import PollSchedule, TooManyWaiters
 
 if TYPE_CHECKING:
@@ -43,6 +43,11 @@ UNPROTECTED_HEADER = "Idempotency-Unprotected"
 #: A cached record this close to its expiry counts as a miss (clock skew, race X13).
 _CACHE_SKEW_MS = 5000
 _STORE_RETRY_AFTER = 3.0
+#: Where a request's ownership lives: its WSGI environ, not ``g``. ``g`` belongs to the
+#: app context, which a request shares with the next one pushed inside it (a test under
+#: ``app.app_context()``, a sub-request made from a view), so state kept there leaks.
+_OWNERSHIP_KEY = "flask_idempotency.ownership"
+_UNPROTECTED_KEY = "flask_idempotency.unprotected"
 
 
 @dataclasses.dataclass
@@ -73,6 +78,14 @@ class _Decision:
     options: EffectiveOptions
     started: float
     source: str = "database"
+
+
+def current_ownership() -> Ownership | None:
+    """The claim the current request owns, if any (``None`` outside a request)."""
+    if not has_request_context():
+        return None
+    own: Ownership | None = request.environ.get(_OWNERSHIP_KEY)
+    return own
 
 
 # -- before the view ------------------------------------------------------------------
@@ -242,7 +255,9 @@ def _own(decision: _Decision, claim: Claim) -> None:
     elif claim.how == "taken_over":
         _emit(signals.lease_taken_over, decision)
     _track_view_start(request.endpoint)
-    g._idempotency = own = Ownership(decision.ident, claim, decision.options, decision.started)
+    request.environ[_OWNERSHIP_KEY] = own = Ownership(
+        decision.ident, claim, decision.options, decision.started
+    )
     _start_heartbeat(decision.state, own)
     _emit(signals.request_executed, decision, how=claim.how)
 
@@ -268,7 +283,7 @@ _START_TRACKED_ATTR = "__idempotency_start_tracked__"
 
 def _start_tracking(view: Callable[..., Any]) -> Callable[..., Any]:
     def started() -> Ownership | None:
-        own: Ownership | None = g.get("_idempotency")
+        own = current_ownership()
         if own is not None:
             own.view_started = True
         return own
@@ -331,6 +346,13 @@ class ThrottledLog:
 
 def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
     settings = decision.state.settings
+    if isinstance(exc, StoreMisconfigured):  # a deployment error: never fail open for it (C45)
+        log.error("idempotency: %s", exc)
+        _emit(signals.store_error, decision, tier="database", error=str(exc), action="claim")
+        raise StoreUnavailable(
+            "The idempotency table is not set up, so the request was not processed.",
+            retry_after=_STORE_RETRY_AFTER,
+        )
     decision.state.outage_log.warning(
         "idempotency: durable store unavailable (%s), e.g. for key %s",
         exc,
@@ -338,7 +360,7 @@ def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
     )
     _emit(signals.store_error, decision, tier="database", error=str(exc), action="claim")
     if settings.fail_open:
-        g._idempotency_unprotected = True
+        request.environ[_UNPROTECTED_KEY] = True
         return None
     raise StoreUnavailable(
         "The idempotency store is unavailable, so the request was not processed."
@@ -351,9 +373,9 @@ def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
 
 
 def after_request(response: Response) -> Response:
-    if g.pop("_idempotency_unprotected", False):
+    if request.environ.pop(_UNPROTECTED_KEY, False):
         response.headers[UNPROTECTED_HEADER] = "store-unavailable"
-    own: Ownership | None = g.get("_idempotency")
+    own = current_ownership()
     if own is None or own.settled:
         return response
     own.settled = True
@@ -571,8 +593,13 @@ def _completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> No
 
 
 def teardown_request(exc: BaseException | None) -> None:
-    """Release a claim the response path never settled: an exception propagated (C15)."""
-    own: Ownership | None = g.get("_idempotency")
+    """Release a claim the response path never settled: an exception propagated (C15).
+
+    The request's state is dropped here whatever happens, so nothing of it is seen
+    by a later request or by code running after the request ended.
+    """
+    own: Ownership | None = request.environ.pop(_OWNERSHIP_KEY, None)
+    request.environ.pop(_UNPROTECTED_KEY, None)
     if own is None:
         return
     _stop_heartbeat(own)
@@ -584,7 +611,7 @@ def teardown_request(exc: BaseException | None) -> None:
 
 def mark_failed(sender: Any, exception: BaseException, **extra: Any) -> None:
     """``got_request_exception`` receiver: an uncaught exception always releases (C17)."""
-    own: Ownership | None = g.get("_idempotency")
+    own = current_ownership()
     if own is not None:
         own.failed = True
 
