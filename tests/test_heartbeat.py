@@ -22,6 +22,7 @@ from sqlalchemy.engine import URL, make_url
 
 from flask_idempotency import heartbeat, signals
 from tests.apps.atomicapp import AtomicApp, build_app
+from tests.conftest import service_missing
 from tests.support.kill_campaign import AtomicHarness, post_payment
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.waiting import wait_until
@@ -112,6 +113,32 @@ def test_i12_1_c44_three_second_view_one_second_lease_runs_once_under_retries(
 
 
 # -- a killed owner -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_i12_1_c44_under_gevent_a_slow_view_runs_once(harness: AtomicHarness) -> None:
+    """C44/C47 under gevent: gunicorn's gevent workers (app preloaded, so the app was built
+    before the monkey-patch) renew the lease of a 3 s view with a 1 s lease from the
+    renewer's greenlet; concurrent retries never run it again."""
+    try:
+        import gevent  # noqa: F401
+    except ImportError:
+        service_missing("gevent", "not installed")
+    server = harness.server(atomic=False, lease=LEASE, workers=2, worker_class="gevent")
+    key, body = "i12-1-gevent", {"amount": 1500}
+    stop = threading.Event()
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        original = pool.submit(post_payment, server.url, key, body, "0,3,0")
+        wait_until(lambda: harness.attempt_count() >= 1, "the original to start")
+        retries = [pool.submit(hammer, server.url, key, body, stop) for _ in range(4)]
+        first = original.result(timeout=60)
+        time.sleep(0.5)
+        stop.set()
+        seen = [status for retry in retries for status in retry.result(timeout=60)]
+    assert first.status_code == 201, first.text
+    assert harness.attempt_count() == 1
+    assert set(seen) <= {409, -201} and -201 in seen, seen
+    assert len(harness.payments_by_key()[key]) == 1
 
 
 @pytest.mark.slow

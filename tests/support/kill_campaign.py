@@ -107,6 +107,7 @@ class AtomicHarness:
         wait: float = 0.0,
         threads: int = 1,
         extra_env: dict[str, str] | None = None,
+        worker_class: str | None = None,
     ) -> GunicornServer:
         """Sync workers: one request per process, so a kill hits exactly the request it aims at.
         Preloaded, so a killed worker is replaced by a fork in milliseconds. ``threads`` > 1
@@ -124,7 +125,7 @@ class AtomicHarness:
             env=env,
             workers=workers,
             threads=threads,
-            worker_class="sync" if threads == 1 else "gthread",
+            worker_class=worker_class or ("sync" if threads == 1 else "gthread"),
             preload=True,
         )
         self.servers.append(server)
