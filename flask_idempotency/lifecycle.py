@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Response, current_app, has_request_context, request
 
-from . import atomic, signals
+from . import atomic, heartbeat, signals
 from .config import TRANSIENT_STATUSES, EffectiveOptions, RouteOptions
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
@@ -63,6 +63,8 @@ class Ownership:
     view_started: bool = False
     #: Transactional mode: the view's transaction, begun once the view starts (C40, C43).
     unit: atomic.Unit | None = None
+    #: The lease heartbeat's entry while the owner runs (C44).
+    lease: heartbeat.Lease | None = None
 
 
 @dataclasses.dataclass
@@ -263,9 +265,10 @@ def _own(decision: _Decision, claim: Claim) -> None:
     elif claim.how == "taken_over":
         _emit(signals.lease_taken_over, decision)
     _track_view_start(request.endpoint)
-    request.environ[_OWNERSHIP_KEY] = Ownership(
+    request.environ[_OWNERSHIP_KEY] = own = Ownership(
         decision.ident, claim, decision.options, decision.started
     )
+    _start_heartbeat(decision.state, own)
     _emit(signals.request_executed, decision, how=claim.how)
 
 
@@ -386,6 +389,7 @@ def after_request(response: Response) -> Response:
     if own is None or own.settled:
         return response
     own.settled = True
+    _stop_heartbeat(own)
     reason = _release_reason(own, response.status_code)
     if reason is not None:
         _release(own, reason, response.status_code)
@@ -520,13 +524,18 @@ def _run_atomic(
     while True:
         attempts += 1
         try:
+            _hold_heartbeat(own)  # a renewal under way must not race the lock or snapshot
             refused = _begin_unit(own)
             if refused is not None:
                 return refused
+            assert own.unit is not None
+            if not own.unit.locks_row:
+                _resume_heartbeat(own)  # a row lock, where taken, holds the key instead
             response = current_app.make_response(view(*args, **kwargs))
             if _release_reason(own, response.status_code) is not None:
                 return response  # after_request releases it, rolling the writes back
             own.settled = True
+            _hold_heartbeat(own)
             return _store_atomic(own, response, retry=True)
         except Exception as exc:
             sqlstate = atomic.retryable_sqlstate(exc)
@@ -535,6 +544,7 @@ def _run_atomic(
             own.settled = False
             assert own.unit is not None
             own.unit.rollback()
+            _resume_heartbeat(own)
             if attempts > own.options.retries:
                 return _out_of_retries(own, attempts, sqlstate)
             _emit_owned(signals.transaction_retried, own, attempt=attempts, sqlstate=sqlstate)
@@ -572,7 +582,8 @@ def _atomic_store_failed(
 ) -> Response:
     log.error("idempotency: atomic %s failed for %s: %s", action, own.ident.key_digest[:16], exc)
     _emit_owned(signals.store_error, own, tier="database", error=str(exc), action=action)
-    _release(own, f"{action}-failed", status)
+    if not _release(own, f"{action}-failed", status):
+        return _lost_lease_answer()  # another request holds the key now: its answer will replay
     return StoreUnavailable(
         "The request could not be committed and nothing was kept. Retry with the same key.",
         retry_after=_STORE_RETRY_AFTER,
@@ -600,7 +611,10 @@ def teardown_request(exc: BaseException | None) -> None:
     """
     own: Ownership | None = request.environ.pop(_OWNERSHIP_KEY, None)
     request.environ.pop(_UNPROTECTED_KEY, None)
-    if own is None or own.settled:
+    if own is None:
+        return
+    _stop_heartbeat(own)
+    if own.settled:
         return
     own.settled = True
     _release(own, "exception" if exc is not None else "unfinished", None)
@@ -613,7 +627,8 @@ def mark_failed(sender: Any, exception: BaseException, **extra: Any) -> None:
         own.failed = True
 
 
-def _release(own: Ownership, reason: str, status: int | None) -> None:
+def _release(own: Ownership, reason: str, status: int | None) -> bool:
+    """Give the key back; ``False`` when it was no longer ours (taken over)."""
     state: AppState = current_app.extensions["idempotency"]
     digest = own.ident.key_digest
     if own.options.atomic:
@@ -623,12 +638,57 @@ def _release(own: Ownership, reason: str, status: int | None) -> None:
     except StoreError as exc:
         log.error("idempotency: could not release %s: %s", digest[:16], exc)
         _emit_owned(signals.store_error, own, tier="database", error=str(exc), action="release")
-        return
+        return True
     if not released:
         _lease_lost(own, "release")
-        return
+        return False
     state.wakeups.announce(digest, "released")  # C20: one waiter claims it next (C12)
     _emit_owned(signals.claim_released, own, reason=reason, status=status)
+    return True
+
+
+def _start_heartbeat(state: AppState, own: Ownership) -> None:
+    """Renew the owner's lease while its view runs (C44), unless the app turned it off."""
+    if not state.settings.heartbeat:
+        return
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    endpoint = request.endpoint
+
+    def report(reason: str) -> None:  # runs on the renewal thread
+        log.warning(
+            "idempotency: the lease on %s could not be renewed (%s)",
+            own.ident.key_digest[:16],
+            reason,
+        )
+        if signals.lease_renewal_failed.receivers:
+            signals.send(
+                signals.lease_renewal_failed,
+                app,
+                key_digest=own.ident.key_digest,
+                scope=own.ident.scope,
+                route=endpoint,
+                duration=time.perf_counter() - own.started,
+                reason=reason,
+            )
+
+    own.lease = heartbeat.start(
+        state.store, own.claim, own.options.lease, state.settings.max_runtime, report
+    )
+
+
+def _stop_heartbeat(own: Ownership) -> None:
+    if own.lease is not None:
+        heartbeat.stop(own.lease)
+
+
+def _hold_heartbeat(own: Ownership) -> None:
+    if own.lease is not None:
+        heartbeat.hold(own.lease)
+
+
+def _resume_heartbeat(own: Ownership) -> None:
+    if own.lease is not None and not own.settled:
+        heartbeat.resume(own.lease)
 
 
 def _lease_lost(own: Ownership, action: str) -> None:

@@ -488,6 +488,45 @@ class DurableStore:
 
         return self._run(delete_own)
 
+    def renew(self, claims: list[Claim], lease: float, *, engine: Engine | None = None) -> set[int]:
+        """Extend the leases of ``claims`` to ``lease`` seconds from now (C44).
+
+        Fenced like every owner's write: a record renews only while it is still in
+        progress under the claim's lock token. Returns the ids of the records
+        renewed; a claim missing from it was taken over or released. All in one
+        short transaction, on ``engine`` if given (the heartbeat's own pool, so
+        views holding every pooled connection cannot starve it); a row another
+        transaction holds locked (a completion about to commit) makes the call
+        fail with :class:`StoreError` after a moment instead of waiting, and the
+        heartbeat tries again.
+        """
+        t = self.table
+        stmt = (
+            update(t)
+            .where(
+                t.c.id == bindparam("p_record_id", type_=t.c.id.type),
+                t.c.lock_token == bindparam("p_lock_token", type_=t.c.lock_token.type),
+                t.c.state == IN_PROGRESS,
+            )
+            .values(lease_expires_at_ms=db_now_ms() + int(lease * 1000))
+        )
+
+        def renew_all(conn: Connection) -> set[int]:
+            renewed: set[int] = set()
+            for claim in claims:
+                params = {"p_record_id": claim.record_id, "p_lock_token": claim.lock_token}
+                if conn.execute(stmt, params).rowcount:
+                    renewed.add(claim.record_id)
+            return renewed
+
+        try:
+            with (engine or self.engine).begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    conn.execute(text("SET LOCAL lock_timeout = '500ms'"))
+                return renew_all(conn)
+        except SQLAlchemyError as exc:
+            raise StoreError(_describe(exc)) from exc
+
     # -- running statements --------------------------------------------------------------
 
     def _run(self, work: Callable[[Connection], T]) -> T:
