@@ -63,6 +63,7 @@ class ConfigVars:
     MAX_WAITERS = "IDEMPOTENCY_MAX_WAITERS"
     CREATE_TABLE = "IDEMPOTENCY_CREATE_TABLE"
     REDIS_SOCKET_TIMEOUT = "IDEMPOTENCY_REDIS_SOCKET_TIMEOUT"
+    FORM_FIELD = "IDEMPOTENCY_FORM_FIELD"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,8 @@ class Settings:
     create_table: bool | None = None
     #: Seconds a Redis command may take before the tier counts as down (C24).
     redis_socket_timeout: float = 0.1
+    #: Form field holding the key when a request has no key header (C49).
+    form_field: str = "_idempotency_key"
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Settings:
@@ -141,6 +144,8 @@ class Settings:
             raise ValueError("IDEMPOTENCY_HEADER and IDEMPOTENCY_REPLAY_HEADER must be set.")
         _header_name(self.header, "IDEMPOTENCY_HEADER")
         _header_name(self.replay_header, "IDEMPOTENCY_REPLAY_HEADER")
+        if not isinstance(self.form_field, str) or not self.form_field:
+            raise ValueError("IDEMPOTENCY_FORM_FIELD must be a non-empty form field name.")
         base = self.problem_type_base
         if not isinstance(base, str) or not base:
             raise ValueError("IDEMPOTENCY_PROBLEM_TYPE_BASE must be a URI.")

@@ -51,8 +51,12 @@ def default_scope(request: Request) -> str:
     return "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
 
 
-def request_fingerprint(request: Request) -> str:
-    """SHA-256 over method, route, query and canonical body, as hex (C6)."""
+def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozenset()) -> str:
+    """SHA-256 over method, route, query and canonical body, as hex (C6).
+
+    ``omit_fields``: form fields that say nothing about the request itself (the
+    form's idempotency key and CSRF token, C49), left out of a form body.
+    """
     rule = request.url_rule.rule if request.url_rule is not None else request.path
     # The common cases (no URL values, no query string) skip the encoder: "{}" and "[]"
     # are exactly what it would produce for them.
@@ -62,7 +66,7 @@ def request_fingerprint(request: Request) -> str:
     else:
         query = "[]"
     body = hashlib.sha256()
-    _hash_body(request, body)
+    _hash_body(request, body, omit_fields)
     return _digest(
         FINGERPRINT_VERSION,
         request.method.encode("ascii"),
@@ -73,7 +77,7 @@ def request_fingerprint(request: Request) -> str:
     )
 
 
-def _hash_body(request: Request, body: Any) -> None:
+def _hash_body(request: Request, body: Any, omit_fields: frozenset[str]) -> None:
     mimetype = request.mimetype
     if mimetype == "application/json" or mimetype.endswith("+json"):
         data = request.get_data(cache=True)
@@ -86,7 +90,7 @@ def _hash_body(request: Request, body: Any) -> None:
         # Werkzeug reads an urlencoded body into memory to parse it anyway.
         request.get_data(cache=True)
         body.update(b"form:")
-        body.update(_canonical_fields(request, with_files=False))
+        body.update(_canonical_fields(request, omit_fields, with_files=False))
     elif mimetype == "multipart/form-data":
         # Spool the raw body (memory, then disk) and parse the form from the spool,
         # then rewind it, so the view can read the exact bytes too (X18). A form an
@@ -94,7 +98,7 @@ def _hash_body(request: Request, body: Any) -> None:
         if "form" not in request.__dict__:
             _spool_stream(request, None)
         body.update(b"multipart:")
-        body.update(_canonical_fields(request, with_files=True))
+        body.update(_canonical_fields(request, omit_fields, with_files=True))
         _rewind_spool(request)
     else:
         body.update(b"raw:")
@@ -117,8 +121,8 @@ def _canonical_json(data: bytes) -> bytes | None:
         return None
 
 
-def _canonical_fields(request: Request, *, with_files: bool) -> bytes:
-    fields: list[list[str]] = [["f", k, v] for k, v in request.form.items(multi=True)]
+def _canonical_fields(request: Request, omit: frozenset[str], *, with_files: bool) -> bytes:
+    fields = [["f", k, v] for k, v in request.form.items(multi=True) if k not in omit]
     if with_files:
         for name, upload in request.files.items(multi=True):
             content = hashlib.sha256()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Response, current_app, g, request
 
-from . import atomic, signals
+from . import atomic, forms, signals
 from .config import TRANSIENT_STATUSES, EffectiveOptions, RouteOptions
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
@@ -86,10 +86,11 @@ def before_request() -> Response | None:
     started = time.perf_counter()
     settings = state.settings
     try:
-        key = parse_key(
-            request.headers.getlist(settings.header),
-            strict=settings.strict_header,
-            max_length=settings.key_max_length,
+        headers = request.headers.getlist(settings.header)
+        key = (
+            parse_key(headers, strict=settings.strict_header, max_length=settings.key_max_length)
+            if headers
+            else forms.key_from_form(request, settings)  # C49: no header, maybe a form field
         )
     except InvalidKey as exc:
         raise InvalidKeyProblem(str(exc)) from None  # C3
@@ -101,7 +102,7 @@ def before_request() -> Response | None:
     ident = Identity(
         scope=scope,
         key_digest=key_digest(scope, key),
-        fingerprint=request_fingerprint(request),
+        fingerprint=request_fingerprint(request, forms.omitted_fields(settings)),
         method=request.method,
         path=request.path,
     )
