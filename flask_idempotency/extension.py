@@ -13,10 +13,11 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import StaticPool
 
-from . import atomic, lifecycle
+from . import atomic, forms, lifecycle
 from .cache import NoCache, ResponseCache
 from .config import EffectiveOptions, RouteOptions, Settings
 from .fingerprint import default_scope
+from .jobs import Once
 from .store import DurableStore
 from .wakeup import WakeupHub
 
@@ -110,6 +111,7 @@ class Idempotency:
         app.before_request(lifecycle.before_request)
         app.after_request(lifecycle.after_request)
         app.teardown_request(lifecycle.teardown_request)
+        app.add_template_global(forms.idempotency_key_field, "idempotency_key_field")  # C49
         got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
         if self._db is not None:
             atomic.guard_sessions(self._db)
@@ -121,6 +123,36 @@ class Idempotency:
         """Register the function that names whose key this is: tenant, account or user (C5)."""
         self._scope_loader = func
         return func
+
+    def once(
+        self,
+        key: str | Callable[..., Any],
+        *,
+        scope: str = "jobs",
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        payload: Any = None,
+        name: str | None = None,
+        atomic: bool = False,
+    ) -> Once:
+        """Run work outside a request once per key: a context manager and decorator (C50).
+
+        The same claim, lease, fencing and replay as a protected view, on the same
+        store; the result (JSON-serialisable) is what a duplicate gets. ``ttl``,
+        ``lease`` and ``wait`` default to the app's settings. See :mod:`.jobs`.
+        """
+        return Once(
+            self,
+            key,
+            scope=scope,
+            ttl=ttl,
+            lease=lease,
+            wait=wait,
+            payload=payload,
+            name=name,
+            atomic=atomic,
+        )
 
     # -- per-app access ---------------------------------------------------------------
 
