@@ -140,7 +140,7 @@ class Once:
         self._runs.append(run)
         return run
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         run = self._runs.pop()
         if not run.owned:
             return
@@ -273,7 +273,9 @@ class Once:
             except StoreError as exc:
                 # The work is done; the claim lapses after its lease, then a retry may run it
                 # again. Nothing better is possible without atomic=True.
-                log.error("idempotency: could not store the result of %s: %s", run.key_digest[:16], exc)
+                log.error(
+                    "idempotency: could not store the result of %s: %s", run.key_digest[:16], exc
+                )
                 _send(signals.store_error, run, tier="database", error=str(exc), action="complete")
                 raise
             if expires_at_ms is None:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from flask import Flask, redirect, render_template_string, request, url_for
 
-from flask_idempotency import Idempotency, idempotent, signals
+from flask_idempotency import idempotent, signals
 from flask_idempotency.fingerprint import request_fingerprint
 
 FORM = """<form method="post" action="{{ url_for('checkout') }}">
