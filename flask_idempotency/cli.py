@@ -449,7 +449,9 @@ def create_table_command(sql_only: bool) -> None:
         raise click.ClickException(
             "this app passes db= to Idempotency, so the table belongs in its migrations:\n"
             f'  flask db migrate -m "add {maintenance.table.name} table"\n'
-            "  flask db upgrade"
+            "  flask db upgrade\n"
+            "or, without Flask-Migrate, db.create_all() in an app context;"
+            " `flask idempotency create-table --sql` prints the DDL."
         )
     if maintenance.table_exists():
         click.echo(f"The table {maintenance.table.name!r} already exists; nothing to do.")

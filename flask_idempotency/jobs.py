@@ -92,6 +92,8 @@ class Run:
         self._claim: Claim | None = None
         self._state: AppState | None = None
         self._atomic = False
+        #: Atomic work's transaction, begun after the claim (C40, C43).
+        self._unit: atomic.Unit | None = None
         self._started = time.perf_counter()
 
     @property
@@ -219,9 +221,9 @@ class Once:
                 state.cache.discard(ident.key_digest)
             elif outcome.how == "taken_over":
                 _send(signals.lease_taken_over, run)
-            if self._atomic:
-                atomic.begin(state.require_db())
             _send(signals.request_executed, run, how=outcome.how)
+            if self._atomic:
+                self._begin_unit(run)
             return run
         if outcome.fingerprint != ident.fingerprint:
             _send(signals.key_mismatch, run)
@@ -251,12 +253,15 @@ class Once:
         stored = StoredResponse(
             200, (("Content-Type", _JSON),), b"" if omitted else body, body_omitted=omitted
         )
-        if run._atomic:
+        if run._unit is not None:
             try:
-                expires_at_ms = atomic.commit(state.require_db(), state.store, claim, stored)
+                expires_at_ms = run._unit.commit(stored)
             except atomic.ViewWriteFailed:
                 self._release(run, "exception")
                 raise
+            except atomic.Retryable as exc:  # a serialization failure: the queue retries it
+                self._release(run, "commit-failed")
+                raise StoreError(str(exc)) from exc
             except StoreError as exc:
                 _send(signals.store_error, run, tier="database", error=str(exc), action="commit")
                 self._release(run, "commit-failed")
@@ -286,13 +291,28 @@ class Once:
         state.wakeups.wake(run.key_digest)
         _send(signals.response_stored, run, status=200, body_omitted=omitted)
 
+    def _begin_unit(self, run: Run) -> None:
+        """Begin atomic work's transaction after the claim, so that it sees the claim (C43)."""
+        state, claim = run._state, run._claim
+        assert state is not None and claim is not None
+        run._unit = atomic.Unit(state.require_db(), state.store, claim, None)
+        try:
+            run._unit.begin()
+        except atomic.LeaseLost:
+            run.owned = False
+            _lease_lost(run, "begin")
+            raise JobLeaseLost("once(): the key was taken over before the work began.") from None
+        except (atomic.Retryable, StoreError) as exc:
+            self._release(run, "begin-failed")
+            raise StoreError(str(exc)) from exc
+
     def _release(self, run: Run, reason: str) -> None:
         """Give the key back so the next delivery runs the work (C17, C20)."""
         state, claim = run._state, run._claim
         assert state is not None and claim is not None
         run.owned = False
-        if run._atomic:
-            atomic.abandon(state.require_db())
+        if run._unit is not None:
+            run._unit.rollback()  # nothing the work wrote survives a release
         try:
             released = state.store.release(claim)
         except StoreError as exc:
