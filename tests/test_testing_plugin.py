@@ -224,3 +224,33 @@ def test_idempotency_store_fixture_needs_an_app_fixture(pytester) -> None:
     result = pytester.runpytest_subprocess("-p", "no:randomly", "-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*needs an `app` fixture*"])
+
+
+def test_c22_isolated_store_keeps_redis_copies_apart(make_app) -> None:
+    """A record cached in Redis by one test is never replayed in an isolated one."""
+    import redis
+
+    from tests.conftest import REDIS_URL, service_missing
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except Exception as exc:
+        service_missing("Redis", str(exc))
+    prefix = f"idem-plugin-{uuid.uuid4().hex[:8]}"
+    app, _ = make_app({"IDEMPOTENCY_REDIS_URL": REDIS_URL, "IDEMPOTENCY_REDIS_PREFIX": prefix})
+    effects = _payments_app(app)
+    headers = {"Idempotency-Key": "cached-key"}
+    try:
+        app.test_client().post("/payments", json={"amount": 1}, headers=headers)
+        assert client.keys(f"{prefix}:*"), "the first record was promoted to Redis"
+        with isolated_store(app):
+            first = app.test_client().post("/payments", json={"amount": 1}, headers=headers)
+            assert "Idempotent-Replayed" not in first.headers
+            again = app.test_client().post("/payments", json={"amount": 1}, headers=headers)
+            assert again.headers["Idempotent-Replayed"] == "true"
+        assert effects["protected"] == 2
+    finally:
+        for name in client.scan_iter(f"{prefix}:*"):
+            client.delete(name)
+        client.close()
