@@ -31,6 +31,7 @@ import functools
 import inspect
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -131,7 +132,8 @@ class Once:
         self._payload = payload
         self._name = name
         self._atomic = atomic
-        self._runs: list[Run] = []
+        #: Open ``with`` blocks, per thread: one ``Once`` may be shared by several threads.
+        self._local = threading.local()
 
     # -- context manager -------------------------------------------------------------
 
@@ -139,17 +141,23 @@ class Once:
         if callable(self._key):
             raise TypeError("once(key=<function>) is a decorator; give a string key to `with`.")
         run = self._begin(self._key, self._name or "once", self._payload)
-        self._runs.append(run)
+        self._open_runs().append(run)
         return run
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        run = self._runs.pop()
+        run = self._open_runs().pop()
         if not run.owned:
             return
         if exc is not None:
             self._release(run, "exception")
             return
         self._complete(run)
+
+    def _open_runs(self) -> list[Run]:
+        runs: list[Run] | None = getattr(self._local, "runs", None)
+        if runs is None:
+            runs = self._local.runs = []
+        return runs
 
     # -- decorator -------------------------------------------------------------------
 

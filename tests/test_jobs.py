@@ -188,6 +188,31 @@ def test_c50_c8_concurrent_consumers_run_once_and_all_get_the_result(make_pg_app
     assert len(seen["request_executed"]) == 1 and len(seen["request_replayed"]) == 23
 
 
+def test_c50_c8_one_once_object_shared_by_threads_in_with_blocks(make_pg_app) -> None:
+    app, ext = make_pg_app({"IDEMPOTENCY_WAIT": 20})
+    shared = ext.once("shared-object")
+    executions: list[int] = []
+    results: list[Any] = []
+    barrier = threading.Barrier(8)
+
+    def worker() -> None:
+        barrier.wait(10)
+        with app.app_context():
+            with shared as run:
+                if run.owned:
+                    executions.append(1)
+                    time.sleep(0.3)
+                    run.result = "made once"
+            results.append(run.result)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert executions == [1] and results == ["made once"] * 8
+
+
 def test_c50_c11_a_duplicate_that_may_not_wait_gets_job_in_progress(make_pg_app) -> None:
     app, ext = make_pg_app()
     started, finish = threading.Event(), threading.Event()
