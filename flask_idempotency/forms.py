@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 from flask import Request, current_app
 from markupsafe import Markup, escape
 
-from .fingerprint import _rewind_spool, _spool_stream
 from .keys import InvalidKey, parse_key
 
 if TYPE_CHECKING:
@@ -61,18 +60,12 @@ def idempotency_key_field(key: str | None = None) -> Markup:
 def key_from_form(request: Request, settings: Settings) -> str | None:
     """The key in the form field ``IDEMPOTENCY_FORM_FIELD``, or ``None`` without one.
 
-    Only form bodies are looked at. A multipart body is spooled before the form
-    is parsed, as the fingerprint does, so the view can still read its exact bytes.
+    Only form bodies are looked at. The form is parsed here by Werkzeug, once,
+    as the fingerprint and the view would parse it; they reuse this parse (C31).
     """
     if request.mimetype not in FORM_MIMETYPES:
         return None
-    if request.mimetype == "multipart/form-data" and "form" not in request.__dict__:
-        _spool_stream(request, None)
-        values = request.form.getlist(settings.form_field)
-        _rewind_spool(request)
-    else:
-        request.get_data(cache=True)  # keep the raw bytes readable for the view (X18)
-        values = request.form.getlist(settings.form_field)
+    values = request.form.getlist(settings.form_field)
     if not values:
         return None
     name = settings.form_field
