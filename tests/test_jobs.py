@@ -457,3 +457,28 @@ def test_c50_stream_consumers_apply_each_message_once_despite_redelivery_and_kil
             conn.execute(text(f"DROP TABLE IF EXISTS {pg_table}"))
         engine.dispose()
         print(log.read_text(errors="replace")[-3000:] if log.exists() else "")
+
+
+def test_c50_in_a_flask_cli_command(make_app) -> None:
+    """A CLI command (cron, a one-off backfill) runs its work once per key."""
+    import click
+
+    app, ext = make_app()
+    ran: list[str] = []
+
+    @app.cli.command("send-digest")
+    @click.argument("week")
+    def send_digest(week: str) -> None:
+        with ext.once(f"digest:{week}", ttl=30 * 86400) as run:
+            if run.owned:
+                ran.append(week)
+                run.result = {"week": week, "sent": 120}
+        click.echo(f"sent {run.result['sent']} ({'now' if run.owned else 'earlier'})")
+
+    runner = app.test_cli_runner()
+    first = runner.invoke(args=["send-digest", "2026-W47"])
+    second = runner.invoke(args=["send-digest", "2026-W47"])
+    assert first.exit_code == second.exit_code == 0, (first.output, second.output)
+    assert first.output.strip() == "sent 120 (now)"
+    assert second.output.strip() == "sent 120 (earlier)"
+    assert ran == ["2026-W47"]
