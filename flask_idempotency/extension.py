@@ -14,11 +14,13 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import StaticPool
 
-from . import atomic, lifecycle, process
+from . import atomic, forms, lifecycle, process
 from .cache import NoCache, ResponseCache
 from .config import ConfigVars, EffectiveOptions, RouteOptions, Settings
 from .dbclock import DatabaseClock
 from .fingerprint import default_scope
+from .jobs import Once
+from .records import COMPLETED, Claim, Completed, Identity, Record
 from .store import DurableStore
 from .wakeup import WakeupHub
 
@@ -43,6 +45,40 @@ class AppState:
     #: Whether this app has said that it runs on the default scope (once per app).
     _default_scope_told: threading.Event = dataclasses.field(default_factory=threading.Event)
     _default_scope_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def look_up(
+        self, ident: Identity, *, ttl: float, lease: float, guard_locks: bool
+    ) -> tuple[Claim | Completed | Record, str]:
+        """Cache first (completed records only), then claim or read the durable record.
+
+        Returns the outcome and where it came from (``cache`` or ``database``). A
+        completed durable record is promoted for the time it has left by the
+        database's clock (C23, C42); every answer of the store refreshes that clock.
+        Requests and ``once()`` both decide from this one lookup.
+        """
+        cached = self.cache.get(ident.key_digest)
+        if cached is not None:  # Redis expires each copy when its record expires (C42)
+            return cached, "cache"
+        sent_at = self.clock.mark()
+        outcome = self.store.acquire(ident, ttl=ttl, lease=lease, guard_locks=guard_locks)
+        if isinstance(outcome, Record):
+            self.clock.observe(outcome.now_ms, sent_at)
+            if outcome.state == COMPLETED:
+                completed = outcome.completed()
+                self.promote(ident.key_digest, completed)  # read-through (C23)
+                return completed, "database"
+        elif outcome.how in ("new", "replaced"):  # the database set expiry = its now + ttl
+            self.clock.observe(outcome.expires_at_ms - int(ttl * 1000), sent_at)
+        return outcome, "database"
+
+    def promote(self, key_digest: str, completed: Completed) -> None:
+        """Cache a completed record for the time it has left by the database's clock (C42)."""
+        self.cache.promote(key_digest, completed, self.clock.remaining_ms(completed.expires_at_ms))
+
+    def announce_completed(self, key_digest: str, completed: Completed) -> None:
+        """After the durable commit: promote, then wake the waiters everywhere (C23)."""
+        self.promote(key_digest, completed)
+        self.wakeups.announce(key_digest, "done")
 
     def effective_options(self, route: RouteOptions) -> EffectiveOptions:
         options = self._options.get(route)
@@ -136,6 +172,7 @@ class Idempotency:
         app.before_request(lifecycle.before_request)
         app.after_request(lifecycle.after_request)
         app.teardown_request(lifecycle.teardown_request)
+        app.add_template_global(forms.idempotency_key_field, "idempotency_key_field")  # C49
         got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
         if self._db is not None:
             atomic.guard_sessions(self._db)
@@ -149,6 +186,36 @@ class Idempotency:
         """Register the function that names whose key this is: tenant, account or user (C5)."""
         self._scope_loader = func
         return func
+
+    def once(
+        self,
+        key: str | Callable[..., Any],
+        *,
+        scope: str = "jobs",
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        payload: Any = None,
+        name: str | None = None,
+        atomic: bool = False,
+    ) -> Once:
+        """Run work outside a request once per key: a context manager and decorator (C50).
+
+        The same claim, lease, fencing and replay as a protected view, on the same
+        store; the result (JSON-serialisable) is what a duplicate gets. ``ttl``,
+        ``lease`` and ``wait`` default to the app's settings. See :mod:`.jobs`.
+        """
+        return Once(
+            self,
+            key,
+            scope=scope,
+            ttl=ttl,
+            lease=lease,
+            wait=wait,
+            payload=payload,
+            name=name,
+            atomic=atomic,
+        )
 
     # -- per-app access ---------------------------------------------------------------
 

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Response, current_app, has_request_context, request
 
-from . import atomic, heartbeat, signals
+from . import atomic, forms, heartbeat, signals
 from .config import TRANSIENT_STATUSES, EffectiveOptions, RouteOptions
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
 from .problems import InvalidKeyProblem, KeyReused, MissingKey, RequestInProgress, StoreUnavailable
-from .records import COMPLETED, IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
+from .records import IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .responses import capture, replay
 from .store import StoreError, StoreMisconfigured
 from .wakeup import PollSchedule, TooManyWaiters
@@ -102,10 +102,11 @@ def before_request() -> Response | None:
     started = time.perf_counter()
     settings = state.settings
     try:
-        key = parse_key(
-            request.headers.getlist(settings.header),
-            strict=settings.strict_header,
-            max_length=settings.key_max_length,
+        headers = request.headers.getlist(settings.header)
+        key = (
+            parse_key(headers, strict=settings.strict_header, max_length=settings.key_max_length)
+            if headers
+            else forms.key_from_form(request, settings)  # C49: no header, maybe a form field
         )
     except InvalidKey as exc:
         raise InvalidKeyProblem(str(exc)) from None  # C3
@@ -117,7 +118,7 @@ def before_request() -> Response | None:
     ident = Identity(
         scope=scope,
         key_digest=key_digest(scope, key),
-        fingerprint=request_fingerprint(request),
+        fingerprint=request_fingerprint(request, forms.omitted_fields(settings)),
         method=request.method,
         path=request.path,
     )
@@ -161,29 +162,12 @@ def _decide(decision: _Decision) -> Response | None:
 
 def _look_up(decision: _Decision) -> Claim | Completed | Record:
     """Cache first (completed records only), then claim or read the durable record."""
-    digest = decision.ident.key_digest
-    state = decision.state
-    cached = state.cache.get(digest)
-    if cached is not None:  # Redis expires each copy when its record expires (C42)
-        decision.source = "cache"
-        return cached
-    sent_at = state.clock.mark()
-    outcome = state.store.acquire(
+    outcome, decision.source = decision.state.look_up(
         decision.ident,
         ttl=decision.options.ttl,
         lease=decision.options.lease,
         guard_locks=decision.options.atomic,
     )
-    if isinstance(outcome, Record):
-        state.clock.observe(outcome.now_ms, sent_at)
-        if outcome.state == COMPLETED:
-            decision.source = "database"
-            completed = outcome.completed()
-            remaining = state.clock.remaining_ms(completed.expires_at_ms)
-            state.cache.promote(digest, completed, remaining)  # read-through (C23)
-            return completed
-    elif outcome.how in ("new", "replaced"):  # the database set expiry = its now + ttl
-        state.clock.observe(outcome.expires_at_ms - int(decision.options.ttl * 1000), sent_at)
     return outcome
 
 
@@ -594,10 +578,7 @@ def _completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> No
     """After the durable commit: promote to the cache, then wake the waiters (C23)."""
     state: AppState = current_app.extensions["idempotency"]
     digest = own.ident.key_digest
-    completed = Completed(own.ident.fingerprint, expires_at_ms, stored)
-    remaining = state.clock.remaining_ms(expires_at_ms)
-    state.cache.promote(digest, completed, remaining)  # C23: after the commit
-    state.wakeups.announce(digest, "done")
+    state.announce_completed(digest, Completed(own.ident.fingerprint, expires_at_ms, stored))
     _emit_owned(
         signals.response_stored, own, status=stored.status, body_omitted=stored.body_omitted
     )
