@@ -377,18 +377,14 @@ class _SaltedCache:
     def get(self, key_digest: str) -> Any:
         return self._inner.get(self._name(key_digest))
 
-    def promote(self, key_digest: str, record: Any, *, publish: bool) -> None:
-        self._inner.promote(self._name(key_digest), record, publish=False)
-        if publish:
-            self.publish(key_digest, "done")  # waiters listen under the real digest
+    def promote(self, key_digest: str, record: Any, ttl_ms: int) -> None:
+        self._inner.promote(self._name(key_digest), record, ttl_ms)
+
+    def probe(self, key_digest: str) -> Any:
+        return self._inner.probe(self._name(key_digest))
 
     def discard(self, key_digest: str) -> None:
         self._inner.discard(self._name(key_digest))
-
-    def publish(self, key_digest: str, event: str) -> None:
-        publish = getattr(self._inner, "publish", None)
-        if publish is not None:
-            publish(key_digest, event)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
