@@ -16,7 +16,7 @@ from sqlalchemy.pool import StaticPool
 
 from . import atomic, lifecycle
 from .cache import NoCache, ResponseCache
-from .config import EffectiveOptions, RouteOptions, Settings
+from .config import ConfigVars, EffectiveOptions, RouteOptions, Settings
 from .fingerprint import default_scope
 from .store import DurableStore
 from .wakeup import WakeupHub
@@ -139,6 +139,8 @@ class Idempotency:
         from .cli import idempotency_cli
 
         app.cli.add_command(idempotency_cli)
+        _warn_unread_environment(app)
+        log.info("idempotency: app %r uses %s", app.name, self._describe_tiers(app, settings))
 
     def scope_loader(self, func: Callable[[], Any]) -> Callable[[], Any]:
         """Register the function that names whose key this is: tenant, account or user (C5)."""
@@ -162,6 +164,29 @@ class Idempotency:
     def store(self) -> DurableStore:
         """The durable store of the current app."""
         return self.state.store
+
+    # -- saying what is in use (no I/O: read from configuration, never from a server) --
+
+    def _describe_tiers(self, app: Flask, settings: Settings) -> str:
+        """``store: <dialect> (<where>), table 'name'; cache: …; wake-ups: …`` for the log."""
+        if self._engine is not None:
+            store = f"{_describe_url(self._engine.url)} (engine=)"
+        elif self._db is not None:
+            uri = app.config.get("SQLALCHEMY_DATABASE_URI")
+            store = f"{_describe_url(uri) if uri else 'the default engine'} (Flask-SQLAlchemy db=)"
+        elif settings.database_uri:
+            store = _describe_url(settings.database_uri)
+        else:
+            store = "sqlite (the default: the instance folder)"
+        cache = redis_target(settings, self._redis)
+        if cache is None:
+            tiers = "cache: none; wake-ups: this process only (no IDEMPOTENCY_REDIS_URL)"
+        else:
+            tiers = (
+                f"cache: Redis {cache}, prefix {settings.redis_prefix!r};"
+                " wake-ups: Redis pub/sub across processes"
+            )
+        return f"store: {store}, table {settings.table!r}; {tiers}"
 
     # -- building the tiers ---------------------------------------------------------
 
@@ -202,6 +227,64 @@ class Idempotency:
         tier = RedisTier.from_settings(settings, client=self._redis)
         wakeups.channel = tier
         return tier
+
+
+def redis_target(settings: Settings, client: Any) -> str | None:
+    """Where the Redis tier points, password hidden; ``None`` when there is none."""
+    if client is not None:
+        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+        where = kwargs.get("path") or (
+            f"{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+            if "host" in kwargs
+            else None
+        )
+        return f"(Redis client {type(client).__name__}{' at ' + where if where else ''})"
+    if settings.redis_url:
+        return _describe_url(settings.redis_url)
+    return None
+
+
+def _describe_url(url: Any) -> str:
+    """A database or Redis URL with its password hidden."""
+    try:
+        return str(make_url(url).render_as_string(hide_password=True))
+    except Exception:  # not a URL SQLAlchemy can parse: show only its scheme
+        return str(url).split(":", 1)[0] + "://…"
+
+
+#: Flask's convention for configuration from the environment: ``FLASK_<KEY>`` read by
+#: ``app.config.from_prefixed_env()``.
+_FLASK_ENV_PREFIX = "FLASK_"
+
+
+def _warn_unread_environment(app: Flask) -> None:
+    """Name ``IDEMPOTENCY_*`` settings set in the environment that ``app.config`` never got.
+
+    The extension reads ``app.config`` only, like every Flask extension; a variable
+    exported for it and never loaded would otherwise be ignored without a word.
+    """
+    settings = sorted(
+        {
+            value
+            for value in (getattr(ConfigVars, name) for name in dir(ConfigVars))
+            if isinstance(value, str) and value.startswith("IDEMPOTENCY_")
+        }
+    )
+    names = [
+        f"{prefix}{key}"
+        for key in settings
+        for prefix in ("", _FLASK_ENV_PREFIX)
+        if f"{prefix}{key}" in os.environ and key not in app.config
+    ]
+    if names:
+        log.warning(
+            "idempotency: the environment sets %s, but app %r has no such setting in"
+            " app.config, so it is not used. Flask-Idempotency reads app.config only: name"
+            " the variable FLASK_<SETTING> (e.g. FLASK_IDEMPOTENCY_REDIS_URL) and call"
+            " app.config.from_prefixed_env() before init_app, or copy it into app.config.",
+            ", ".join(names),
+            app.name,
+        )
 
 
 def _check_registered_views(app: Flask, settings: Settings) -> None:
