@@ -80,8 +80,12 @@ def _login_user_id() -> str | None:
     return None if user_id is None or str(user_id) == "" else str(user_id)
 
 
-def request_fingerprint(request: Request) -> str:
-    """SHA-256 over method, route, query and canonical body, as hex (C6)."""
+def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozenset()) -> str:
+    """SHA-256 over method, route, query and canonical body, as hex (C6).
+
+    ``omit_fields``: form fields that say nothing about the request itself (the
+    form's idempotency key and CSRF token, C49), left out of a form body.
+    """
     rule = request.url_rule.rule if request.url_rule is not None else request.path
     # The common cases (no URL values, no query string) skip the encoder: "{}" and "[]"
     # are exactly what it would produce for them.
@@ -91,7 +95,7 @@ def request_fingerprint(request: Request) -> str:
     else:
         query = "[]"
     body = hashlib.sha256()
-    _hash_body(request, body)
+    _hash_body(request, body, omit_fields)
     return _digest(
         FINGERPRINT_VERSION,
         request.method.encode("ascii"),
@@ -102,7 +106,7 @@ def request_fingerprint(request: Request) -> str:
     )
 
 
-def _hash_body(request: Request, body: Any) -> None:
+def _hash_body(request: Request, body: Any, omit_fields: frozenset[str] = frozenset()) -> None:
     mimetype = request.mimetype
     if mimetype == "application/json" or mimetype.endswith("+json"):
         data = request.get_data(cache=True)
@@ -117,7 +121,7 @@ def _hash_body(request: Request, body: Any) -> None:
         # them caches them in a before_request hook registered before init_app, and
         # the form is then parsed from that cache, as in Flask without this layer.
         body.update(_FORM_MIMETYPES[mimetype])
-        _hash_fields(request, body, with_files=mimetype == "multipart/form-data")
+        _hash_fields(request, body, omit_fields, with_files=mimetype == "multipart/form-data")
     else:
         body.update(b"raw:")
         _spool_stream(request, body)
@@ -139,7 +143,7 @@ def _canonical_json(data: bytes) -> bytes | None:
         return None
 
 
-def _hash_fields(request: Request, body: Any, *, with_files: bool) -> None:
+def _hash_fields(request: Request, body: Any, omit: frozenset[str], *, with_files: bool) -> None:
     """Hash the sorted fields as the compact JSON list they always were, piece by piece.
 
     The bytes fed to ``body`` are exactly ``json.dumps(fields, separators=(",", ":"),
@@ -147,7 +151,7 @@ def _hash_fields(request: Request, body: Any, *, with_files: bool) -> None:
     JSON text of the form is ever built: an 80 MiB field used to cost two more
     80 MiB copies (the JSON string and its UTF-8 bytes), see C31.
     """
-    fields: list[list[str]] = [["f", k, v] for k, v in request.form.items(multi=True)]
+    fields = [["f", k, v] for k, v in request.form.items(multi=True) if k not in omit]
     if with_files:
         for name, upload in request.files.items(multi=True):
             content = hashlib.sha256()
