@@ -29,7 +29,7 @@ NEWEST_PYTHON = "3.13"
 #: (Flask-SQLAlchemy 3.1 needs SQLAlchemy 2.0.16, so the oldest set uses 3.0.5).
 OLDEST = [
     "Flask==2.3.0",
-    "Werkzeug==2.3.0",
+    "Werkzeug==2.3.8",  # setup.cfg's floor: 2.3.0-2.3.7 parse big multipart bodies in O(n²)
     "SQLAlchemy==2.0.0",
     "blinker==1.6.2",
     "redis==5.0.0",
