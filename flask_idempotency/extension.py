@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -14,13 +16,14 @@ from sqlalchemy.pool import StaticPool
 
 from . import atomic, lifecycle, process
 from .cache import NoCache, ResponseCache
-from .config import EffectiveOptions, RouteOptions, Settings
+from .config import ConfigVars, EffectiveOptions, RouteOptions, Settings
 from .dbclock import DatabaseClock
 from .fingerprint import default_scope
 from .store import DurableStore
 from .wakeup import WakeupHub
 
 EXTENSION_NAME = "idempotency"
+log = logging.getLogger("flask_idempotency")
 
 
 @dataclasses.dataclass
@@ -37,6 +40,9 @@ class AppState:
     _options: dict[RouteOptions, EffectiveOptions] = dataclasses.field(default_factory=dict)
     #: One line per outage of the durable store, not one per failed request.
     outage_log: lifecycle.ThrottledLog = dataclasses.field(default_factory=lifecycle.ThrottledLog)
+    #: Whether this app has said that it runs on the default scope (once per app).
+    _default_scope_told: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _default_scope_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def effective_options(self, route: RouteOptions) -> EffectiveOptions:
         options = self._options.get(route)
@@ -66,7 +72,25 @@ class AppState:
             scope = loader()
             if scope is not None and str(scope) != "":
                 return "scope:" + str(scope)
+        else:
+            self._tell_default_scope()
         return default_scope(request)
+
+    def _tell_default_scope(self) -> None:
+        """Warn once per app that keys are scoped by the defaults, and what they risk (C46)."""
+        if self._default_scope_told.is_set():
+            return
+        with self._default_scope_lock:
+            if self._default_scope_told.is_set():
+                return
+            self._default_scope_told.set()
+        log.warning(
+            "idempotency: no scope_loader is registered, so keys are scoped by the Flask-Login"
+            " user when one is logged in, else by a digest of the Authorization header (a client"
+            " that refreshes its token between retries gets the view run again), else shared"
+            " as 'anonymous'. Register @idempotency.scope_loader returning the tenant or user"
+            " id."
+        )
 
 
 class Idempotency:
@@ -118,6 +142,8 @@ class Idempotency:
         from .cli import idempotency_cli
 
         app.cli.add_command(idempotency_cli)
+        _warn_unread_environment(app)
+        log.info("idempotency: app %r uses %s", app.name, self._describe_tiers(app, settings))
 
     def scope_loader(self, func: Callable[[], Any]) -> Callable[[], Any]:
         """Register the function that names whose key this is: tenant, account or user (C5)."""
@@ -141,6 +167,29 @@ class Idempotency:
     def store(self) -> DurableStore:
         """The durable store of the current app."""
         return self.state.store
+
+    # -- saying what is in use (no I/O: read from configuration, never from a server) --
+
+    def _describe_tiers(self, app: Flask, settings: Settings) -> str:
+        """``store: <dialect> (<where>), table 'name'; cache: …; wake-ups: …`` for the log."""
+        if self._engine is not None:
+            store = f"{_describe_url(self._engine.url)} (engine=)"
+        elif self._db is not None:
+            uri = app.config.get("SQLALCHEMY_DATABASE_URI")
+            store = f"{_describe_url(uri) if uri else 'the default engine'} (Flask-SQLAlchemy db=)"
+        elif settings.database_uri:
+            store = _describe_url(settings.database_uri)
+        else:
+            store = "sqlite (the default: the instance folder)"
+        cache = redis_target(settings, self._redis)
+        if cache is None:
+            tiers = "cache: none; wake-ups: this process only (no IDEMPOTENCY_REDIS_URL)"
+        else:
+            tiers = (
+                f"cache: Redis {cache}, prefix {settings.redis_prefix!r};"
+                " wake-ups: Redis pub/sub across processes"
+            )
+        return f"store: {store}, table {settings.table!r}; {tiers}"
 
     # -- building the tiers ---------------------------------------------------------
 
@@ -170,6 +219,7 @@ class Idempotency:
             metadata=metadata,
             table_name=settings.table,
             create_table=bool(create_table),
+            async_claim=settings.async_claim,
         )
 
     def _build_cache(
@@ -186,6 +236,64 @@ class Idempotency:
         tier = RedisTier.from_settings(settings, client=self._redis, origin=origin)
         wakeups.channel = tier.notifier
         return tier.cache
+
+
+def redis_target(settings: Settings, client: Any) -> str | None:
+    """Where the Redis tier points, password hidden; ``None`` when there is none."""
+    if client is not None:
+        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+        where = kwargs.get("path") or (
+            f"{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+            if "host" in kwargs
+            else None
+        )
+        return f"(Redis client {type(client).__name__}{' at ' + where if where else ''})"
+    if settings.redis_url:
+        return _describe_url(settings.redis_url)
+    return None
+
+
+def _describe_url(url: Any) -> str:
+    """A database or Redis URL with its password hidden."""
+    try:
+        return str(make_url(url).render_as_string(hide_password=True))
+    except Exception:  # not a URL SQLAlchemy can parse: show only its scheme
+        return str(url).split(":", 1)[0] + "://…"
+
+
+#: Flask's convention for configuration from the environment: ``FLASK_<KEY>`` read by
+#: ``app.config.from_prefixed_env()``.
+_FLASK_ENV_PREFIX = "FLASK_"
+
+
+def _warn_unread_environment(app: Flask) -> None:
+    """Name ``IDEMPOTENCY_*`` settings set in the environment that ``app.config`` never got.
+
+    The extension reads ``app.config`` only, like every Flask extension; a variable
+    exported for it and never loaded would otherwise be ignored without a word.
+    """
+    settings = sorted(
+        {
+            value
+            for value in (getattr(ConfigVars, name) for name in dir(ConfigVars))
+            if isinstance(value, str) and value.startswith("IDEMPOTENCY_")
+        }
+    )
+    names = [
+        f"{prefix}{key}"
+        for key in settings
+        for prefix in ("", _FLASK_ENV_PREFIX)
+        if f"{prefix}{key}" in os.environ and key not in app.config
+    ]
+    if names:
+        log.warning(
+            "idempotency: the environment sets %s, but app %r has no such setting in"
+            " app.config, so it is not used. Flask-Idempotency reads app.config only: name"
+            " the variable FLASK_<SETTING> (e.g. FLASK_IDEMPOTENCY_REDIS_URL) and call"
+            " app.config.from_prefixed_env() before init_app, or copy it into app.config.",
+            ", ".join(names),
+            app.name,
+        )
 
 
 def _check_registered_views(app: Flask, settings: Settings) -> None:
@@ -220,13 +328,23 @@ def _lazy_engine(uri: str) -> Callable[[], Engine]:
 
 
 def create_store_engine(uri: str, **options: Any) -> Engine:
-    """An engine tuned for the store: fail fast when the database is unreachable (C25)."""
+    """An engine tuned for the store: fail fast when the database is unreachable (C25).
+
+    PostgreSQL engines work behind a transaction pooler such as PgBouncer on both
+    drivers: psycopg2 never prepares, and psycopg 3 is told not to.
+    """
     url = make_url(uri)
     backend = url.get_backend_name()
     kwargs: dict[str, Any] = {}
     if backend == "postgresql":
-        if url.get_driver_name() in ("psycopg2", ""):
+        driver = url.get_driver_name()
+        if driver in ("psycopg2", ""):
             kwargs["connect_args"] = {"connect_timeout": 3}
+        elif driver == "psycopg":
+            # No server-side prepared statements: behind a transaction pooler (PgBouncer)
+            # the next transaction may run on another server connection, where "_pg3_0"
+            # already exists or does not exist at all.
+            kwargs["connect_args"] = {"connect_timeout": 3, "prepare_threshold": None}
         kwargs["pool_size"] = 10
         kwargs["max_overflow"] = 20
         kwargs["pool_timeout"] = 5
