@@ -42,7 +42,7 @@ from . import atomic, signals
 from .fingerprint import _digest, key_digest
 from .records import IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .store import StoreError
-from .wakeup import PollSchedule, TooManyWaiters
+from .wakeup import wait_for_owner
 
 if TYPE_CHECKING:
     from .extension import AppState, Idempotency
@@ -362,23 +362,16 @@ def _wait_for_owner(
     state: AppState, run: Run, record: Record, ttl: float, lease: float, wait: float
 ) -> Claim | Completed | Record:
     """Park until the owner finishes or its lease lapses (C10–C13), as a request does."""
-    deadline = time.monotonic() + wait
-    outcome: Claim | Completed | Record = record
     parked_at = time.perf_counter()
-    try:
-        with state.wakeups.parked(run.key_digest) as parked:
-            live = parked.cross_process_live
-            polls = PollSchedule(first=0.1 if live else 0.025, cap=1.0 if live else 0.5)
-            while True:
-                outcome = _look_up(state, run, ttl, lease)
-                if not _in_flight(run, outcome):
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                parked.wait(min(remaining, polls.next()))
-    except TooManyWaiters:
-        log.warning("idempotency: too many parked callers in this process; not waiting")
+    current: Claim | Completed | Record = record
+    outcome = wait_for_owner(
+        state.wakeups,
+        run.key_digest,
+        current,
+        wait=wait,
+        recheck=lambda: _look_up(state, run, ttl, lease),
+        in_flight=lambda found: _in_flight(run, found),
+    )
     _send(
         signals.request_waited,
         run,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from flask import Flask, jsonify, request
 
-from flask_idempotency import idempotent, lifecycle, signals
+from flask_idempotency import idempotent, signals, wakeup
 from flask_idempotency.extension import create_store_engine
 from flask_idempotency.fingerprint import key_digest, request_fingerprint
 from flask_idempotency.records import Claim, Identity, StoredResponse
@@ -266,7 +266,7 @@ def test_c14_pg_slow_owner_cannot_release_the_takers_claim(make_pg_app) -> None:
 
 def test_c20_pg_release_wakes_a_parked_waiter_which_claims(make_pg_app, monkeypatch) -> None:
     """With polling switched off, only the release's wake-up can let the waiter claim."""
-    monkeypatch.setattr(lifecycle, "PollSchedule", NoPolling)
+    monkeypatch.setattr(wakeup, "PollSchedule", NoPolling)
     app, _ = make_pg_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
     calls: list[str] = []
     released = record_signal(app, signals.claim_released)
@@ -286,7 +286,7 @@ def test_c20_pg_release_wakes_a_parked_waiter_which_claims(make_pg_app, monkeypa
 
 
 def test_c10_pg_completion_wakes_a_parked_waiter_which_replays(make_pg_app, monkeypatch) -> None:
-    monkeypatch.setattr(lifecycle, "PollSchedule", NoPolling)
+    monkeypatch.setattr(wakeup, "PollSchedule", NoPolling)
     app, _ = make_pg_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
     calls: list[str] = []
     entered, release = parking_view(app, calls)

@@ -20,7 +20,7 @@ import pytest
 from flask import Flask, jsonify, request
 from sqlalchemy.engine import URL
 
-from flask_idempotency import Idempotency, idempotent, lifecycle, signals
+from flask_idempotency import Idempotency, idempotent, signals, wakeup
 from flask_idempotency.wakeup import PollSchedule
 from tests.conftest import redis_server_binary
 from tests.support.redis_cluster import RedisCluster3, SentinelGroup
@@ -158,7 +158,7 @@ def make_svc(pg_url: URL) -> Iterator[Any]:
 @pytest.fixture
 def no_poll_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Parked requests re-check only when woken: a lost wake-up becomes a 409."""
-    monkeypatch.setattr(lifecycle, "PollSchedule", lambda **_: PollSchedule(first=600, cap=600))
+    monkeypatch.setattr(wakeup, "PollSchedule", lambda **_: PollSchedule(first=600, cap=600))
 
 
 # -- C22 / C23 --------------------------------------------------------------------------
