@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Response, current_app, has_request_context, request
 
-from . import atomic, heartbeat, signals
+from . import atomic, forms, heartbeat, signals
 from .config import TRANSIENT_STATUSES, EffectiveOptions, RouteOptions
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
 from .problems import InvalidKeyProblem, KeyReused, MissingKey, RequestInProgress, StoreUnavailable
-from .records import COMPLETED, IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
+from .records import IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .responses import capture, replay
 from .store import StoreError, StoreMisconfigured
 from .wakeup import PollSchedule, TooManyWaiters
@@ -40,8 +40,6 @@ log = logging.getLogger("flask_idempotency")
 ROUTE_OPTIONS_ATTR = "__idempotency_options__"
 #: Header on a response the view produced without protection (``IDEMPOTENCY_FAIL_OPEN``).
 UNPROTECTED_HEADER = "Idempotency-Unprotected"
-#: A cached record this close to its expiry counts as a miss (clock skew, race X13).
-_CACHE_SKEW_MS = 5000
 _STORE_RETRY_AFTER = 3.0
 #: Where a request's ownership lives: its WSGI environ, not ``g``. ``g`` belongs to the
 #: app context, which a request shares with the next one pushed inside it (a test under
@@ -104,10 +102,11 @@ def before_request() -> Response | None:
     started = time.perf_counter()
     settings = state.settings
     try:
-        key = parse_key(
-            request.headers.getlist(settings.header),
-            strict=settings.strict_header,
-            max_length=settings.key_max_length,
+        headers = request.headers.getlist(settings.header)
+        key = (
+            parse_key(headers, strict=settings.strict_header, max_length=settings.key_max_length)
+            if headers
+            else forms.key_from_form(request, settings)  # C49: no header, maybe a form field
         )
     except InvalidKey as exc:
         raise InvalidKeyProblem(str(exc)) from None  # C3
@@ -119,7 +118,7 @@ def before_request() -> Response | None:
     ident = Identity(
         scope=scope,
         key_digest=key_digest(scope, key),
-        fingerprint=request_fingerprint(request),
+        fingerprint=request_fingerprint(request, forms.omitted_fields(settings)),
         method=request.method,
         path=request.path,
     )
@@ -127,6 +126,11 @@ def before_request() -> Response | None:
     try:
         return _decide(decision)
     except StoreError as exc:
+        # The database is down: a cached record may still answer a replay (15.6).
+        cached = state.cache.probe(ident.key_digest)
+        if cached is not None:
+            decision.source = "cache"
+            return _answer(decision, cached)
         return _store_down(decision, exc)
 
 
@@ -158,22 +162,12 @@ def _decide(decision: _Decision) -> Response | None:
 
 def _look_up(decision: _Decision) -> Claim | Completed | Record:
     """Cache first (completed records only), then claim or read the durable record."""
-    digest = decision.ident.key_digest
-    cached = decision.state.cache.get(digest)
-    if cached is not None and cached.expires_at_ms - _CACHE_SKEW_MS > time.time() * 1000:
-        decision.source = "cache"
-        return cached
-    outcome = decision.state.store.acquire(
+    outcome, decision.source = decision.state.look_up(
         decision.ident,
         ttl=decision.options.ttl,
         lease=decision.options.lease,
         guard_locks=decision.options.atomic,
     )
-    if isinstance(outcome, Record) and outcome.state == COMPLETED:
-        decision.source = "database"
-        completed = outcome.completed()
-        decision.state.cache.promote(digest, completed, publish=False)  # read-through (C23)
-        return completed
     return outcome
 
 
@@ -584,9 +578,7 @@ def _completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> No
     """After the durable commit: promote to the cache, then wake the waiters (C23)."""
     state: AppState = current_app.extensions["idempotency"]
     digest = own.ident.key_digest
-    completed = Completed(own.ident.fingerprint, expires_at_ms, stored)
-    state.cache.promote(digest, completed, publish=True)  # C23: after the commit
-    state.wakeups.wake(digest)
+    state.announce_completed(digest, Completed(own.ident.fingerprint, expires_at_ms, stored))
     _emit_owned(
         signals.response_stored, own, status=stored.status, body_omitted=stored.body_omitted
     )

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -87,7 +86,6 @@ class DurableStore:
         self.async_claim = async_claim
         self._verified = False
         self._engines: tuple[Engine, Engine] | None = None
-        self._lock = threading.Lock()
         # The two statements of every claim and replay, built once: building a
         # construct per request cost more CPU than executing it (bench/run.py).
         self._claim_stmt: Any = None
@@ -111,15 +109,17 @@ class DurableStore:
         return self._resolve()[1]
 
     def _resolve(self) -> tuple[Engine, Engine]:
+        """The engines, set up on first use. No lock is held across the create-table
+        I/O: a lock made in ``init_app`` predates gevent's patching under ``--preload``
+        and would stall the whole worker (issue 10). Racing first requests may each run
+        the (idempotent) create; each uses the engine only after its own create returned."""
         engines = self._engines
         if engines is None:
-            with self._lock:
-                if self._engines is None:
-                    engine = self._engine_factory()
-                    if self._create_table:
-                        self._create_if_missing(engine)
-                    self._engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"))
-                engines = self._engines
+            engine = self._engine_factory()
+            if self._create_table:
+                self._create_if_missing(engine)
+            engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"))
+            self._engines = engines
         return engines
 
     def _create_if_missing(self, engine: Engine) -> None:
