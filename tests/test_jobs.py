@@ -386,6 +386,28 @@ def test_c50_stream_consumers_apply_each_message_once_despite_redelivery_and_kil
     their pending entries are redelivered to the others by XAUTOCLAIM. Each message's
     effect is a row in PostgreSQL written in ``once(atomic=True)``: exactly one per message.
     """
+    effects, started = _stream_run(pg_url, pg_table, tmp_path, atomic=True)
+    assert effects == dict.fromkeys(range(MESSAGES), 1), "one effect per message"
+    assert sum(started.values()) > MESSAGES, "no SIGKILL landed inside the work"
+
+
+@pytest.mark.slow
+def test_c50_stream_control_an_effect_committed_apart_is_duplicated_by_the_kills(
+    pg_url, pg_table, tmp_path
+) -> None:
+    """The control: the same run, but the work commits its effect itself and the record
+    completes afterwards (``atomic=False``). A SIGKILL between the two leaves an effect
+    without a result; the redelivered message runs again. This shows the proof above can
+    fail, and why effects in the database belong in ``atomic=True``."""
+    effects, _started = _stream_run(pg_url, pg_table, tmp_path, atomic=False)
+    assert set(effects) == set(range(MESSAGES)), "every message has its effect"
+    assert any(count > 1 for count in effects.values()), "no kill landed between the commits"
+
+
+def _stream_run(
+    pg_url: Any, pg_table: str, tmp_path: Path, *, atomic: bool
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Run the consumers with kills until the stream is drained; effects and starts per msg."""
     import redis
 
     server = RedisServer(redis_server_binary(), tmp_path / "redis").start()
@@ -399,6 +421,7 @@ def test_c50_stream_consumers_apply_each_message_once_despite_redelivery_and_kil
         entries = [m for m in range(MESSAGES) for _ in range(rng.choice((2, 3)))]
         rng.shuffle(entries)
         env = {
+            "STREAM_ATOMIC": "1" if atomic else "0",
             "STREAM_REDIS_URL": server.url,
             "STREAM_DATABASE_URL": pg_url.render_as_string(hide_password=False),
             "STREAM_TABLE": pg_table,
@@ -438,14 +461,14 @@ def test_c50_stream_consumers_apply_each_message_once_despite_redelivery_and_kil
         started = {m: int(client.get(f"started:{m}") or 0) for m in range(MESSAGES)}
         claimed = int(client.get("claimed") or 0)
         print(
-            f"\nstream proof: {len(entries)} entries for {MESSAGES} messages, {kills} SIGKILLs,"
-            f" {sum(deliveries.values())} deliveries ({claimed} by XAUTOCLAIM),"
-            f" {sum(started.values())} executions started, {sum(effects.values())} effects"
+            f"\nstream run (atomic={atomic}): {len(entries)} entries for {MESSAGES} messages,"
+            f" {kills} SIGKILLs, {sum(deliveries.values())} deliveries ({claimed} by"
+            f" XAUTOCLAIM), {sum(started.values())} executions started,"
+            f" {sum(effects.values())} effects"
         )
-        assert effects == dict.fromkeys(range(MESSAGES), 1), "one effect per message"
         assert all(count >= 2 for count in deliveries.values()), deliveries
         assert claimed > 0, "no entry was redelivered by XAUTOCLAIM"
-        assert sum(started.values()) > MESSAGES, "no SIGKILL landed inside the work"
+        return effects, started
     finally:
         for process in consumers.values():
             if process.poll() is None:
