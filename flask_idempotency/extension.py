@@ -14,11 +14,13 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import StaticPool
 
-from . import atomic, forms, lifecycle
+from . import atomic, forms, lifecycle, process
 from .cache import NoCache, ResponseCache
 from .config import ConfigVars, EffectiveOptions, RouteOptions, Settings
+from .dbclock import DatabaseClock
 from .fingerprint import default_scope
 from .jobs import Once
+from .records import COMPLETED, Claim, Completed, Identity, Record
 from .store import DurableStore
 from .wakeup import WakeupHub
 
@@ -35,12 +37,48 @@ class AppState:
     store: DurableStore
     cache: ResponseCache
     wakeups: WakeupHub
+    #: The database's clock as seen from this process: how long a cached copy may live (C42).
+    clock: DatabaseClock = dataclasses.field(default_factory=DatabaseClock)
     _options: dict[RouteOptions, EffectiveOptions] = dataclasses.field(default_factory=dict)
     #: One line per outage of the durable store, not one per failed request.
     outage_log: lifecycle.ThrottledLog = dataclasses.field(default_factory=lifecycle.ThrottledLog)
     #: Whether this app has said that it runs on the default scope (once per app).
     _default_scope_told: threading.Event = dataclasses.field(default_factory=threading.Event)
     _default_scope_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def look_up(
+        self, ident: Identity, *, ttl: float, lease: float, guard_locks: bool
+    ) -> tuple[Claim | Completed | Record, str]:
+        """Cache first (completed records only), then claim or read the durable record.
+
+        Returns the outcome and where it came from (``cache`` or ``database``). A
+        completed durable record is promoted for the time it has left by the
+        database's clock (C23, C42); every answer of the store refreshes that clock.
+        Requests and ``once()`` both decide from this one lookup.
+        """
+        cached = self.cache.get(ident.key_digest)
+        if cached is not None:  # Redis expires each copy when its record expires (C42)
+            return cached, "cache"
+        sent_at = self.clock.mark()
+        outcome = self.store.acquire(ident, ttl=ttl, lease=lease, guard_locks=guard_locks)
+        if isinstance(outcome, Record):
+            self.clock.observe(outcome.now_ms, sent_at)
+            if outcome.state == COMPLETED:
+                completed = outcome.completed()
+                self.promote(ident.key_digest, completed)  # read-through (C23)
+                return completed, "database"
+        elif outcome.how in ("new", "replaced"):  # the database set expiry = its now + ttl
+            self.clock.observe(outcome.expires_at_ms - int(ttl * 1000), sent_at)
+        return outcome, "database"
+
+    def promote(self, key_digest: str, completed: Completed) -> None:
+        """Cache a completed record for the time it has left by the database's clock (C42)."""
+        self.cache.promote(key_digest, completed, self.clock.remaining_ms(completed.expires_at_ms))
+
+    def announce_completed(self, key_digest: str, completed: Completed) -> None:
+        """After the durable commit: promote, then wake the waiters everywhere (C23)."""
+        self.promote(key_digest, completed)
+        self.wakeups.announce(key_digest, "done")
 
     def effective_options(self, route: RouteOptions) -> EffectiveOptions:
         options = self._options.get(route)
@@ -129,7 +167,7 @@ class Idempotency:
         _check_registered_views(app, settings)
         store = self._build_store(app, settings)
         wakeups = WakeupHub(max_waiters=settings.max_waiters)
-        cache = self._build_cache(app, settings, wakeups)
+        cache = self._build_cache(settings, store, wakeups)
         app.extensions[EXTENSION_NAME] = AppState(self, settings, store, cache, wakeups)
         app.before_request(lifecycle.before_request)
         app.after_request(lifecycle.after_request)
@@ -251,14 +289,20 @@ class Idempotency:
             async_claim=settings.async_claim,
         )
 
-    def _build_cache(self, app: Flask, settings: Settings, wakeups: WakeupHub) -> ResponseCache:
+    def _build_cache(
+        self, settings: Settings, store: DurableStore, wakeups: WakeupHub
+    ) -> ResponseCache:
         if self._redis is None and not settings.redis_url:
             return NoCache()
-        from .redis_tier import RedisTier
+        from .redis_tier import RedisTier, store_origin
 
-        tier = RedisTier.from_settings(settings, client=self._redis)
-        wakeups.channel = tier
-        return tier
+        def origin() -> str:
+            # Resolved on first use: with db= or engine= the engine may not exist yet.
+            return store_origin(store.engine_without_setup().url, store.table.fullname)
+
+        tier = RedisTier.from_settings(settings, client=self._redis, origin=origin)
+        wakeups.channel = tier.notifier
+        return tier.cache
 
 
 def redis_target(settings: Settings, client: Any) -> str | None:
@@ -334,14 +378,18 @@ def _check_registered_views(app: Flask, settings: Settings) -> None:
 
 
 def _lazy_engine(uri: str) -> Callable[[], Engine]:
-    lock = threading.Lock()
-    engine: list[Engine] = []
+    """The engine for ``uri``, built on first use and owned by :mod:`process` (reset after
+    fork). No lock: building an engine opens no connection, so racing first requests may
+    both build one and agree on the first stored (a lock made here, before gevent patched
+    ``threading`` under ``--preload``, would stall a gevent worker)."""
+    slot: dict[str, Engine] = {}
 
     def factory() -> Engine:
-        with lock:
-            if not engine:
-                engine.append(create_store_engine(uri))
-            return engine[0]
+        engine = slot.get("value")
+        if engine is None:
+            engine = process.once(slot, lambda: create_store_engine(uri))
+            process.own_engine(engine)
+        return engine
 
     return factory
 

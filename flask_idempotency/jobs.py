@@ -40,7 +40,7 @@ from flask import current_app
 
 from . import atomic, signals
 from .fingerprint import _digest, key_digest
-from .records import COMPLETED, IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
+from .records import IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .store import StoreError
 from .wakeup import PollSchedule, TooManyWaiters
 
@@ -295,8 +295,7 @@ class Once:
                 _lease_lost(run, "complete")
                 return
         completed = Completed(run.ident.fingerprint, expires_at_ms, stored)
-        state.cache.promote(run.key_digest, completed, publish=True)  # C23: after the commit
-        state.wakeups.wake(run.key_digest)
+        state.announce_completed(run.key_digest, completed)  # C23: after the commit
         _send(signals.response_stored, run, status=200, body_omitted=omitted)
 
     def _begin_unit(self, run: Run) -> None:
@@ -347,17 +346,7 @@ def job_fingerprint(name: str, payload: Any) -> str:
 
 def _look_up(state: AppState, run: Run, ttl: float, lease: float) -> Claim | Completed | Record:
     """Cache first (completed records only), then claim or read the durable record."""
-    digest = run.key_digest
-    cached = state.cache.get(digest)
-    if cached is not None and cached.expires_at_ms > time.time() * 1000:
-        run.source = "cache"
-        return cached
-    outcome = state.store.acquire(run.ident, ttl=ttl, lease=lease, guard_locks=run._atomic)
-    if isinstance(outcome, Record) and outcome.state == COMPLETED:
-        run.source = "database"
-        completed = outcome.completed()
-        state.cache.promote(digest, completed, publish=False)  # read-through (C23)
-        return completed
+    outcome, run.source = state.look_up(run.ident, ttl=ttl, lease=lease, guard_locks=run._atomic)
     return outcome
 
 
