@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
-from flask_idempotency import signals
+from flask_idempotency import heartbeat, signals
 from flask_idempotency.jobs import JobInProgress, JobKeyReused
 from flask_idempotency.records import Identity
 from tests.conftest import redis_server_binary, service_missing
@@ -242,9 +242,11 @@ def test_c50_c13_a_crashed_consumers_claim_is_taken_over_after_its_lease(make_pg
     app, ext = make_pg_app()
     seen = _recorder(app)
     with app.app_context():
-        # A consumer claimed the key and died: its claim is in the table, nobody completes it.
+        # A consumer claimed the key and died: its claim is in the table, nobody completes
+        # it, and its renewer died with it.
         run = ext.once("crash", lease=1.0)._begin("crash", "once", None)
-        assert run.owned
+        assert run.owned and run._lease is not None
+        heartbeat.stop(run._lease)
         with pytest.raises(JobInProgress):
             with ext.once("crash", wait=0):
                 pass
@@ -259,7 +261,9 @@ def test_c50_c13_a_crashed_consumers_claim_is_taken_over_after_its_lease(make_pg
 def test_c50_c14_an_owner_that_lost_its_lease_cannot_overwrite_the_new_result(
     make_pg_app, caplog
 ) -> None:
-    app, ext = make_pg_app()
+    """With the heartbeat off (``IDEMPOTENCY_HEARTBEAT=False``), work that overruns its
+    lease is taken over; its late completion is fenced."""
+    app, ext = make_pg_app({"IDEMPOTENCY_HEARTBEAT": False})
     seen = _recorder(app)
     with app.app_context():
         slow = ext.once("fenced", lease=0.5)
@@ -505,3 +509,60 @@ def test_c50_in_a_flask_cli_command(make_app) -> None:
     assert first.output.strip() == "sent 120 (now)"
     assert second.output.strip() == "sent 120 (earlier)"
     assert ran == ["2026-W47"]
+
+
+def test_c50_c44_work_that_outlasts_its_lease_keeps_the_key(make_pg_app) -> None:
+    """A live owner's lease is renewed while its work runs: a duplicate that arrives after
+    the first lease would have lapsed still finds it running and never runs it again."""
+    app, ext = make_pg_app()
+    seen = _recorder(app)
+    started, results = threading.Event(), []
+    executions: list[int] = []
+
+    @ext.once("long-report", lease=1.0, wait=0)
+    def long_report() -> str:
+        executions.append(1)
+        started.set()
+        time.sleep(3.0)  # three leases
+        return "built once"
+
+    def owner() -> None:
+        with app.app_context():
+            results.append(long_report())
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    assert started.wait(10)
+    time.sleep(1.6)  # past the first lease
+    with app.app_context():
+        with pytest.raises(JobInProgress):
+            long_report()
+        time.sleep(0.8)  # past the second
+        with pytest.raises(JobInProgress):
+            long_report()
+    thread.join(20)
+    with app.app_context():
+        assert long_report() == "built once"
+    assert executions == [1] and results == ["built once"]
+    assert "lease_taken_over" not in seen
+
+
+def test_c50_c44_max_runtime_stops_renewals_so_a_hung_owner_lets_go(make_pg_app) -> None:
+    """``IDEMPOTENCY_MAX_RUNTIME`` caps renewals; then the key is taken over and the hung
+    owner's late completion is fenced (C14)."""
+    app, ext = make_pg_app({"IDEMPOTENCY_MAX_RUNTIME": 0.5})
+    seen = _recorder(app)
+    with app.app_context():
+        hung = ext.once("hung", lease=1.0)
+        stale = hung.__enter__()
+        assert stale.owned
+        time.sleep(2.0)  # renewals stopped at 0.5 s; the lease ran out a lease later
+        with ext.once("hung", wait=0) as taker:
+            assert taker.owned
+            taker.result = "taker"
+        stale.result = "hung owner"
+        hung.__exit__(None, None, None)
+        with ext.once("hung") as duplicate:
+            assert duplicate.result == "taker"
+    assert [e["how"] for e in seen["request_executed"]] == ["new", "taken_over"]
+    assert [e["action"] for e in seen["lease_lost"]] == ["complete"]
