@@ -69,6 +69,61 @@ def pg_table() -> str:
     return f"idem_{uuid.uuid4().hex[:12]}"
 
 
+# -- MariaDB / MySQL ------------------------------------------------------------------
+
+MYSQL_BASE_URL = os.environ.get(
+    "IDEMPOTENCY_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test"
+)
+
+
+@pytest.fixture(scope="session")
+def mysql_url() -> Iterator[URL]:
+    """A private MariaDB/MySQL database for this test session (like ``pg_url``)."""
+    base = make_url(MYSQL_BASE_URL)
+    try:
+        admin = create_engine(base, connect_args={"connect_timeout": 3})
+        with admin.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        service_missing("MariaDB", f"{base.render_as_string(hide_password=True)}: {exc}")
+    name = f"idem_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
+    try:
+        yield base.set(database=name)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
+        admin.dispose()
+
+
+@pytest.fixture
+def make_mysql_app(make_app: AppFactory, mysql_url: URL, pg_table: str) -> Iterator[AppFactory]:
+    """Like ``make_pg_app``, on this session's MariaDB database and this test's table."""
+    created: list[Any] = []
+
+    def factory(config: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Flask, Idempotency]:
+        merged = {
+            "IDEMPOTENCY_DATABASE_URI": mysql_url.render_as_string(hide_password=False),
+            "IDEMPOTENCY_TABLE": pg_table,
+        }
+        merged.update(config or {})
+        app, ext = make_app(merged, **kwargs)
+        created.append(app.extensions["idempotency"].store)
+        return app, ext
+
+    yield factory
+    if created:
+        created[0].table.drop(created[0].engine, checkfirst=True)
+
+
+@pytest.fixture(params=["postgresql", "mariadb"])
+def make_server_app(request: Any) -> AppFactory:
+    """``make_pg_app`` and ``make_mysql_app`` in turn: the rules every server store keeps."""
+    fixture = "make_pg_app" if request.param == "postgresql" else "make_mysql_app"
+    return request.getfixturevalue(fixture)  # type: ignore[no-any-return]
+
+
 # -- apps ----------------------------------------------------------------------------
 
 
@@ -146,3 +201,5 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
         fixtures = getattr(item, "fixturenames", ())
         if "pg_url" in fixtures:
             item.add_marker(pytest.mark.postgres)
+        if "mysql_url" in fixtures:
+            item.add_marker(pytest.mark.mysql)
