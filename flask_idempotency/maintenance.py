@@ -30,8 +30,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from .records import COMPLETED, IN_PROGRESS
-from .store_dialects import MYSQL_FAMILY
 from .store import DurableStore, _describe, _optional_int
+from .store_dialects import MYSQL_FAMILY
 from .table import db_now_ms
 
 T = TypeVar("T")
