@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from .store import DurableStore
 from .wakeup import WakeupHub
 
 EXTENSION_NAME = "idempotency"
+log = logging.getLogger("flask_idempotency")
 
 
 @dataclasses.dataclass
@@ -35,6 +37,9 @@ class AppState:
     _options: dict[RouteOptions, EffectiveOptions] = dataclasses.field(default_factory=dict)
     #: One line per outage of the durable store, not one per failed request.
     outage_log: lifecycle.ThrottledLog = dataclasses.field(default_factory=lifecycle.ThrottledLog)
+    #: Whether this app has said that it runs on the default scope (once per app).
+    _default_scope_told: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _default_scope_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def effective_options(self, route: RouteOptions) -> EffectiveOptions:
         options = self._options.get(route)
@@ -64,7 +69,25 @@ class AppState:
             scope = loader()
             if scope is not None and str(scope) != "":
                 return "scope:" + str(scope)
+        else:
+            self._tell_default_scope()
         return default_scope(request)
+
+    def _tell_default_scope(self) -> None:
+        """Warn once per app that keys are scoped by the defaults, and what they risk (C46)."""
+        if self._default_scope_told.is_set():
+            return
+        with self._default_scope_lock:
+            if self._default_scope_told.is_set():
+                return
+            self._default_scope_told.set()
+        log.warning(
+            "idempotency: no scope_loader is registered, so keys are scoped by the Flask-Login"
+            " user when one is logged in, else by a digest of the Authorization header (a client"
+            " that refreshes its token between retries gets the view run again), else shared"
+            " as 'anonymous'. Register @idempotency.scope_loader returning the tenant or user"
+            " id."
+        )
 
 
 class Idempotency:
@@ -209,13 +232,23 @@ def _lazy_engine(uri: str) -> Callable[[], Engine]:
 
 
 def create_store_engine(uri: str, **options: Any) -> Engine:
-    """An engine tuned for the store: fail fast when the database is unreachable (C25)."""
+    """An engine tuned for the store: fail fast when the database is unreachable (C25).
+
+    PostgreSQL engines work behind a transaction pooler such as PgBouncer on both
+    drivers: psycopg2 never prepares, and psycopg 3 is told not to.
+    """
     url = make_url(uri)
     backend = url.get_backend_name()
     kwargs: dict[str, Any] = {}
     if backend == "postgresql":
-        if url.get_driver_name() in ("psycopg2", ""):
+        driver = url.get_driver_name()
+        if driver in ("psycopg2", ""):
             kwargs["connect_args"] = {"connect_timeout": 3}
+        elif driver == "psycopg":
+            # No server-side prepared statements: behind a transaction pooler (PgBouncer)
+            # the next transaction may run on another server connection, where "_pg3_0"
+            # already exists or does not exist at all.
+            kwargs["connect_args"] = {"connect_timeout": 3, "prepare_threshold": None}
         kwargs["pool_size"] = 10
         kwargs["max_overflow"] = 20
         kwargs["pool_timeout"] = 5

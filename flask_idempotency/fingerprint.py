@@ -12,10 +12,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import sys
 import tempfile
 from typing import IO, Any
 
-from flask import Request
+from flask import Request, current_app
 
 #: Bumped whenever the canonical form changes, so old records never match by accident.
 FINGERPRINT_VERSION = b"fp1"
@@ -39,16 +40,38 @@ def key_digest(scope: str, key: str) -> str:
 
 
 def default_scope(request: Request) -> str:
-    """Scope when no ``scope_loader`` is registered: a digest of ``Authorization``.
+    """Scope when no ``scope_loader`` is registered (C46).
 
-    Requests without credentials share the scope ``anonymous``: any client that
-    guesses another's key could then read its response, so register a
-    ``scope_loader`` that names the tenant or user.
+    The Flask-Login user when one is logged in; else a digest of
+    ``Authorization``, which changes when a client refreshes its token, so a retry
+    after a refresh is a new request; else the shared scope ``anonymous``, where
+    any client that guesses another's key could read its response. Register a
+    ``scope_loader`` that names the tenant or user to avoid both.
     """
+    user_id = _login_user_id()
+    if user_id is not None:
+        return "user:" + user_id
     authorization = request.headers.get("Authorization")
     if not authorization:
         return ANONYMOUS_SCOPE
     return "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
+
+
+def _login_user_id() -> str | None:
+    """``current_user.get_id()`` when the app uses Flask-Login and a user is logged in.
+
+    Looked up in ``sys.modules``, not imported: an app that uses Flask-Login has
+    imported it already, and one that does not pays nothing. An app without a
+    ``LoginManager`` has no ``current_user`` to ask.
+    """
+    flask_login = sys.modules.get("flask_login")
+    if flask_login is None or getattr(current_app, "login_manager", None) is None:
+        return None
+    user = flask_login.current_user
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None
+    user_id = user.get_id()
+    return None if user_id is None or str(user_id) == "" else str(user_id)
 
 
 def request_fingerprint(request: Request) -> str:

@@ -82,7 +82,8 @@ def test_c2_parameters_never_change_the_key(text: str, params: list[tuple[str, A
 def test_c2_bare_keys_parse_to_themselves_and_equal_their_quoted_form(key: str) -> None:
     assert parse_key([key]) == key
     assert parse_key([sf_string(key)]) == key
-    assert parse_key([key], strict=True) is None  # strict mode reads only sf-strings
+    with pytest.raises(InvalidKey, match='"key"'):  # strict mode reads only sf-strings (i9.7)
+        parse_key([key], strict=True)
 
 
 @PROPERTY_SETTINGS

@@ -45,6 +45,7 @@ from sqlalchemy import (
     Text,
     func,
     insert,
+    text,
     update,
 )
 
@@ -135,12 +136,22 @@ def build_app(
     atomic: bool = True,
     config: dict[str, Any] | None = None,
     session_options: dict[str, Any] | None = None,
+    isolation_level: str | None = None,
+    scope_reads_session: bool = False,
 ) -> AtomicApp:
-    """The payments app; tests add more views to ``.app`` before its first request."""
+    """The payments app; tests add more views to ``.app`` before its first request.
+
+    ``isolation_level`` is the app engine's (``SQLALCHEMY_ENGINE_OPTIONS``);
+    ``scope_reads_session`` registers a scope loader that queries ``db.session``
+    first, as one loading ``current_user`` from the database does (C43).
+    """
     app = Flask(__name__)
+    engine_options: dict[str, Any] = {"pool_size": 5, "max_overflow": 5, "pool_timeout": 10}
+    if isolation_level is not None:
+        engine_options["isolation_level"] = isolation_level
     app.config.update(
         SQLALCHEMY_DATABASE_URI=database_url,
-        SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 5, "max_overflow": 5, "pool_timeout": 10},
+        SQLALCHEMY_ENGINE_OPTIONS=engine_options,
         IDEMPOTENCY_TABLE=records_table,
         IDEMPOTENCY_LEASE=lease,
         IDEMPOTENCY_WAIT=wait,
@@ -149,6 +160,13 @@ def build_app(
     db = SQLAlchemy(app, session_options=session_options or {})
     idempotency = Idempotency(app, db=db)
     payments = payments_table(db.metadata, records_table)
+    if scope_reads_session:
+
+        @idempotency.scope_loader
+        def scope() -> str:
+            # Like loading current_user: the session's transaction (and, at REPEATABLE
+            # READ or SERIALIZABLE, its snapshot) begins here, before the claim.
+            return str(db.session.execute(text("SELECT 'user-1'")).scalar_one())
 
     class Payment(db.Model):  # type: ignore[name-defined,misc]
         __table__ = payments
@@ -201,4 +219,6 @@ def create_app() -> Flask:
         lease=float(os.environ.get("IDEM_LEASE", "60")),
         wait=float(os.environ.get("IDEM_WAIT", "0")),
         atomic=os.environ.get("ATOMIC", "1") == "1",
+        isolation_level=os.environ.get("IDEM_ISOLATION") or None,
+        scope_reads_session=os.environ.get("IDEM_SCOPE_READS_SESSION") == "1",
     ).app

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import requests
 from sqlalchemy import Engine, MetaData, Table, select
@@ -37,6 +37,9 @@ from flask_idempotency.records import Record
 from flask_idempotency.store import DurableStore
 from tests.apps.atomicapp import attempts_table, payments_table
 from tests.support.gunicorn import GunicornServer
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; the suite runs on 3.10 too
+    from typing import Self
 
 #: Where a plan aims its kill: the view's stretch it should land in.
 KINDS = ("early", "written", "finishing", "edge")
