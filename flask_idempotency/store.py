@@ -606,6 +606,10 @@ def _is_schema_error(exc: DBAPIError) -> bool:
     return any(m in message for m in _SCHEMA_MESSAGES)
 
 
+#: The SQLSTATE of a driver error (``atomic`` reads it too).
+_sqlstate = dialects.sqlstate
+
+
 def _describe(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None) or exc
     first_line = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__

@@ -42,9 +42,19 @@ _MYSQL_LOCK_WAIT_TIMEOUT = 1205
 MYSQL_FAMILY = frozenset({"mysql", "mariadb"})
 
 
+#: The SQLSTATEs MySQL documents for error numbers whose drivers report no SQLSTATE.
+_MYSQL_SQLSTATES = {1213: "40001", 1146: "42S02", 1054: "42S22"}
+
+
 def sqlstate(exc: BaseException | None) -> str | None:
+    """The SQLSTATE of a driver error; for PyMySQL/mysqlclient, the one MySQL documents
+    for its error number (a deadlock is ``40001`` there, as on PostgreSQL)."""
     orig = getattr(exc, "orig", exc)
-    return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+    state = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+    if state is None:
+        errno = mysql_errno(exc)
+        state = None if errno is None else _MYSQL_SQLSTATES.get(errno)
+    return state
 
 
 def mysql_errno(exc: BaseException | None) -> int | None:

@@ -122,31 +122,44 @@ def mysql_url() -> Iterator[URL]:
         admin.dispose()
 
 
-@pytest.fixture
-def make_mysql_app(make_app: AppFactory, mysql_url: URL, pg_table: str) -> Iterator[AppFactory]:
-    """Like ``make_pg_app``, on this session's MariaDB database and this test's table."""
-    created: list[Any] = []
-
+def _app_factory_on(make_app: Any, url: URL, table: str, created: list[Any]) -> Any:
     def factory(config: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Flask, Idempotency]:
         merged = {
-            "IDEMPOTENCY_DATABASE_URI": mysql_url.render_as_string(hide_password=False),
-            "IDEMPOTENCY_TABLE": pg_table,
+            "IDEMPOTENCY_DATABASE_URI": url.render_as_string(hide_password=False),
+            "IDEMPOTENCY_TABLE": table,
         }
         merged.update(config or {})
         app, ext = make_app(merged, **kwargs)
         created.append(app.extensions["idempotency"].store)
         return app, ext
 
-    yield factory
+    return factory
+
+
+@pytest.fixture
+def make_mysql_app(make_app: Any, mysql_url: URL, pg_table: str) -> Iterator[Any]:
+    """Like ``make_pg_app``, on this session's MariaDB database and this test's table."""
+    created: list[Any] = []
+    yield _app_factory_on(make_app, mysql_url, pg_table, created)
     if created:
         created[0].table.drop(created[0].engine, checkfirst=True)
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def make_server_app(request: Any) -> AppFactory:
-    """``make_pg_app`` and ``make_mysql_app`` in turn: the rules every server store keeps."""
-    fixture = "make_pg_app" if request.param == "postgresql" else "make_mysql_app"
-    return request.getfixturevalue(fixture)  # type: ignore[no-any-return]
+@pytest.fixture(
+    params=["postgresql+psycopg2", "postgresql+psycopg", "mariadb"],
+    ids=["psycopg2", "psycopg3", "mariadb"],
+)
+def make_server_app(request: Any, make_app: Any, pg_table: str) -> Iterator[Any]:
+    """Like ``make_pg_app``, on each server database in turn: PostgreSQL through both of
+    its drivers and MariaDB (PyMySQL), so the lifecycle rules hold on every one."""
+    if request.param == "mariadb":
+        url = request.getfixturevalue("mysql_url")
+    else:
+        url = driver_url(request.getfixturevalue("pg_url"), request.param.split("+")[1])
+    created: list[Any] = []
+    yield _app_factory_on(make_app, url, pg_table, created)
+    if created:
+        created[0].table.drop(created[0].engine, checkfirst=True)
 
 
 # -- apps ----------------------------------------------------------------------------
