@@ -22,14 +22,14 @@ from tests.support.kill_campaign import AtomicHarness
 
 from .test_atomic import (  # noqa: F401  (collected here, on MariaDB)
     make_payments_app,
-    test_c40_exception_and_release_roll_back,
-    test_c40_lost_lease_rolls_back_the_late_owners_writes,
-    test_c40_unflushed_writes_commit_with_the_record,
-    test_c40_duplicate_does_not_queue_behind_an_owner_inside_its_commit,
     test_c40_constraint_failure_at_the_final_flush_is_the_views_error,
+    test_c40_duplicate_does_not_queue_behind_an_owner_inside_its_commit,
+    test_c40_exception_and_release_roll_back,
     test_c40_failed_commit_keeps_nothing_and_answers_503,
-    test_c40_view_commit_is_refused_in_testing,
+    test_c40_lost_lease_rolls_back_the_late_owners_writes,
     test_c40_sigkill_at_random_points_leaves_exactly_one_row_per_key,
+    test_c40_unflushed_writes_commit_with_the_record,
+    test_c40_view_commit_is_refused_in_testing,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.mysql]
