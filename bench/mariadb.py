@@ -135,7 +135,8 @@ def bench_driver(url: Any, n: int) -> list[tuple[str, float, float]]:
             IDEMPOTENCY_DATABASE_URI=url.render_as_string(hide_password=False),
             IDEMPOTENCY_TABLE=table,
         )
-        Idempotency(app)
+        ext = Idempotency(app)
+        ext.scope_loader(lambda: "bench")
 
         @app.post("/pay")
         @idempotent

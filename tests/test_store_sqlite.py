@@ -26,6 +26,8 @@ from flask_idempotency.records import (
 from flask_idempotency.store import DurableStore, StoreError
 from flask_idempotency.table import db_now_ms
 
+from .conftest import service_missing
+
 TTL = 3600.0
 LEASE = 60.0
 
@@ -47,6 +49,10 @@ def store(request, tmp_path):
     else:
         mysql = request.getfixturevalue("mysql_url")
         if request.param == "mariadb-mysqldb":
+            try:
+                import MySQLdb  # noqa: F401
+            except ImportError as exc:
+                service_missing("the mysqlclient driver", str(exc))
             mysql = mysql.set(drivername="mysql+mysqldb")
         if request.param == "mariadb-read-committed":
             options["isolation_level"] = "READ COMMITTED"
