@@ -424,13 +424,19 @@ def test_c8_c14_c20_store_follows_the_model(store_engine, operations) -> None:
             elif claims:
                 claim_key, claim = claims[pick % len(claims)]
                 current = model.records.get(claim_key)
-                is_owner = current is not None and current[2] == claim.lock_token
+                # A completed record keeps its owner's token (issue 9.4) but is no longer
+                # the owner's to complete or release.
+                is_owner = (
+                    current is not None
+                    and current[0] == "in_progress"
+                    and current[2] == claim.lock_token
+                )
                 if op == "complete":
                     body = f"{claim_key}:{claim.lock_token}".encode()
                     result = store.complete(claim, StoredResponse(201, (), body))
                     assert (result is not None) == is_owner
                     if is_owner:
-                        model.records[claim_key] = ("completed", current[1], None)
+                        model.records[claim_key] = ("completed", current[1], claim.lock_token)
                 else:
                     assert store.release(claim) == is_owner
                     if is_owner:
