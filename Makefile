@@ -9,7 +9,7 @@ DIST_STAMP := $(VENV)/.dist-stamp
 
 # Install with this Python's own pip when it can target another interpreter (pip >= 22.3):
 # the virtualenv is then made without pip, in well under a second instead of many.
-ifeq ($(shell $(PYTHON) -m pip --python $(PYTHON) --version >/dev/null 2>&1 && echo yes),yes)
+ifeq ($(shell $(PYTHON) -c 'import pip, sys; sys.exit(tuple(map(int, pip.__version__.split(".")[:2])) < (22, 3))' 2>/dev/null && echo yes),yes)
 VENV_ARGS := --without-pip
 PIP := $(PYTHON) -m pip --python $(PY)
 else
@@ -75,7 +75,7 @@ chaos: install
 # SQLAlchemy 2.0.0, redis-py 5.0.0) and the newest (Python 3.13, latest releases), each in
 # its own nox virtualenv, fast suite plus the PostgreSQL/Redis/PgBouncer smoke tests.
 test-versions: install
-	$(PY) -c "import nox" 2>/dev/null || $(PY) -m pip install --quiet 'nox>=2024.3'
+	$(PY) -c "import nox" 2>/dev/null || $(PIP) install --quiet 'nox>=2024.3'
 	$(PY) -m nox $(NOX_ARGS)
 
 lint: install

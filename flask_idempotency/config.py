@@ -97,6 +97,8 @@ class Settings:
     create_table: bool | None = None
     #: Seconds a Redis command may take before the tier counts as down (C24).
     redis_socket_timeout: float = 0.1
+    #: Form field holding the key when a request has no key header (C49).
+    form_field: str = "_idempotency_key"
     #: PostgreSQL: commit the claim with ``synchronous_commit = off`` (one fsync wait less
     #: per first execution). A crash or failover can then lose a claim whose owner still
     #: runs, and a retry runs the view at the same time. Off: the claim is durable.
@@ -150,6 +152,8 @@ class Settings:
             raise ValueError("IDEMPOTENCY_HEADER and IDEMPOTENCY_REPLAY_HEADER must be set.")
         _header_name(self.header, "IDEMPOTENCY_HEADER")
         _header_name(self.replay_header, "IDEMPOTENCY_REPLAY_HEADER")
+        if not isinstance(self.form_field, str) or not self.form_field:
+            raise ValueError("IDEMPOTENCY_FORM_FIELD must be a non-empty form field name.")
         base = self.problem_type_base
         if not isinstance(base, str) or not base:
             raise ValueError("IDEMPOTENCY_PROBLEM_TYPE_BASE must be a URI.")

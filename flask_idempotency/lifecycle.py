@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Response, current_app, has_request_context, request
 
-from . import atomic, signals
+from . import atomic, forms, heartbeat, signals
 from .config import TRANSIENT_STATUSES, EffectiveOptions, RouteOptions
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
 from .problems import InvalidKeyProblem, KeyReused, MissingKey, RequestInProgress, StoreUnavailable
-from .records import COMPLETED, IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
+from .records import IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .responses import capture, replay
 from .store import StoreError, StoreMisconfigured
 from .wakeup import PollSchedule, TooManyWaiters
@@ -40,8 +40,6 @@ log = logging.getLogger("flask_idempotency")
 ROUTE_OPTIONS_ATTR = "__idempotency_options__"
 #: Header on a response the view produced without protection (``IDEMPOTENCY_FAIL_OPEN``).
 UNPROTECTED_HEADER = "Idempotency-Unprotected"
-#: A cached record this close to its expiry counts as a miss (clock skew, race X13).
-_CACHE_SKEW_MS = 5000
 _STORE_RETRY_AFTER = 3.0
 #: Where a request's ownership lives: its WSGI environ, not ``g``. ``g`` belongs to the
 #: app context, which a request shares with the next one pushed inside it (a test under
@@ -65,6 +63,8 @@ class Ownership:
     view_started: bool = False
     #: Transactional mode: the view's transaction, begun once the view starts (C40, C43).
     unit: atomic.Unit | None = None
+    #: The lease heartbeat's entry while the owner runs (C44).
+    lease: heartbeat.Lease | None = None
 
 
 @dataclasses.dataclass
@@ -102,10 +102,11 @@ def before_request() -> Response | None:
     started = time.perf_counter()
     settings = state.settings
     try:
-        key = parse_key(
-            request.headers.getlist(settings.header),
-            strict=settings.strict_header,
-            max_length=settings.key_max_length,
+        headers = request.headers.getlist(settings.header)
+        key = (
+            parse_key(headers, strict=settings.strict_header, max_length=settings.key_max_length)
+            if headers
+            else forms.key_from_form(request, settings)  # C49: no header, maybe a form field
         )
     except InvalidKey as exc:
         raise InvalidKeyProblem(str(exc)) from None  # C3
@@ -117,7 +118,7 @@ def before_request() -> Response | None:
     ident = Identity(
         scope=scope,
         key_digest=key_digest(scope, key),
-        fingerprint=request_fingerprint(request),
+        fingerprint=request_fingerprint(request, forms.omitted_fields(settings)),
         method=request.method,
         path=request.path,
     )
@@ -125,6 +126,11 @@ def before_request() -> Response | None:
     try:
         return _decide(decision)
     except StoreError as exc:
+        # The database is down: a cached record may still answer a replay (15.6).
+        cached = state.cache.probe(ident.key_digest)
+        if cached is not None:
+            decision.source = "cache"
+            return _answer(decision, cached)
         return _store_down(decision, exc)
 
 
@@ -156,22 +162,12 @@ def _decide(decision: _Decision) -> Response | None:
 
 def _look_up(decision: _Decision) -> Claim | Completed | Record:
     """Cache first (completed records only), then claim or read the durable record."""
-    digest = decision.ident.key_digest
-    cached = decision.state.cache.get(digest)
-    if cached is not None and cached.expires_at_ms - _CACHE_SKEW_MS > time.time() * 1000:
-        decision.source = "cache"
-        return cached
-    outcome = decision.state.store.acquire(
+    outcome, decision.source = decision.state.look_up(
         decision.ident,
         ttl=decision.options.ttl,
         lease=decision.options.lease,
         guard_locks=decision.options.atomic,
     )
-    if isinstance(outcome, Record) and outcome.state == COMPLETED:
-        decision.source = "database"
-        completed = outcome.completed()
-        decision.state.cache.promote(digest, completed, publish=False)  # read-through (C23)
-        return completed
     return outcome
 
 
@@ -253,9 +249,10 @@ def _own(decision: _Decision, claim: Claim) -> None:
     elif claim.how == "taken_over":
         _emit(signals.lease_taken_over, decision)
     _track_view_start(request.endpoint)
-    request.environ[_OWNERSHIP_KEY] = Ownership(
+    request.environ[_OWNERSHIP_KEY] = own = Ownership(
         decision.ident, claim, decision.options, decision.started
     )
+    _start_heartbeat(decision.state, own)
     _emit(signals.request_executed, decision, how=claim.how)
 
 
@@ -376,6 +373,7 @@ def after_request(response: Response) -> Response:
     if own is None or own.settled:
         return response
     own.settled = True
+    _stop_heartbeat(own)
     reason = _release_reason(own, response.status_code)
     if reason is not None:
         _release(own, reason, response.status_code)
@@ -510,13 +508,18 @@ def _run_atomic(
     while True:
         attempts += 1
         try:
+            _hold_heartbeat(own)  # a renewal under way must not race the lock or snapshot
             refused = _begin_unit(own)
             if refused is not None:
                 return refused
+            assert own.unit is not None
+            if not own.unit.locks_row:
+                _resume_heartbeat(own)  # a row lock, where taken, holds the key instead
             response = current_app.make_response(view(*args, **kwargs))
             if _release_reason(own, response.status_code) is not None:
                 return response  # after_request releases it, rolling the writes back
             own.settled = True
+            _hold_heartbeat(own)
             return _store_atomic(own, response, retry=True)
         except Exception as exc:
             sqlstate = atomic.retryable_sqlstate(exc)
@@ -525,6 +528,7 @@ def _run_atomic(
             own.settled = False
             assert own.unit is not None
             own.unit.rollback()
+            _resume_heartbeat(own)
             if attempts > own.options.retries:
                 return _out_of_retries(own, attempts, sqlstate)
             _emit_owned(signals.transaction_retried, own, attempt=attempts, sqlstate=sqlstate)
@@ -562,7 +566,8 @@ def _atomic_store_failed(
 ) -> Response:
     log.error("idempotency: atomic %s failed for %s: %s", action, own.ident.key_digest[:16], exc)
     _emit_owned(signals.store_error, own, tier="database", error=str(exc), action=action)
-    _release(own, f"{action}-failed", status)
+    if not _release(own, f"{action}-failed", status):
+        return _lost_lease_answer()  # another request holds the key now: its answer will replay
     return StoreUnavailable(
         "The request could not be committed and nothing was kept. Retry with the same key.",
         retry_after=_STORE_RETRY_AFTER,
@@ -573,9 +578,7 @@ def _completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> No
     """After the durable commit: promote to the cache, then wake the waiters (C23)."""
     state: AppState = current_app.extensions["idempotency"]
     digest = own.ident.key_digest
-    completed = Completed(own.ident.fingerprint, expires_at_ms, stored)
-    state.cache.promote(digest, completed, publish=True)  # C23: after the commit
-    state.wakeups.wake(digest)
+    state.announce_completed(digest, Completed(own.ident.fingerprint, expires_at_ms, stored))
     _emit_owned(
         signals.response_stored, own, status=stored.status, body_omitted=stored.body_omitted
     )
@@ -589,7 +592,10 @@ def teardown_request(exc: BaseException | None) -> None:
     """
     own: Ownership | None = request.environ.pop(_OWNERSHIP_KEY, None)
     request.environ.pop(_UNPROTECTED_KEY, None)
-    if own is None or own.settled:
+    if own is None:
+        return
+    _stop_heartbeat(own)
+    if own.settled:
         return
     own.settled = True
     _release(own, "exception" if exc is not None else "unfinished", None)
@@ -602,7 +608,8 @@ def mark_failed(sender: Any, exception: BaseException, **extra: Any) -> None:
         own.failed = True
 
 
-def _release(own: Ownership, reason: str, status: int | None) -> None:
+def _release(own: Ownership, reason: str, status: int | None) -> bool:
+    """Give the key back; ``False`` when it was no longer ours (taken over)."""
     state: AppState = current_app.extensions["idempotency"]
     digest = own.ident.key_digest
     if own.options.atomic:
@@ -612,12 +619,57 @@ def _release(own: Ownership, reason: str, status: int | None) -> None:
     except StoreError as exc:
         log.error("idempotency: could not release %s: %s", digest[:16], exc)
         _emit_owned(signals.store_error, own, tier="database", error=str(exc), action="release")
-        return
+        return True
     if not released:
         _lease_lost(own, "release")
-        return
+        return False
     state.wakeups.announce(digest, "released")  # C20: one waiter claims it next (C12)
     _emit_owned(signals.claim_released, own, reason=reason, status=status)
+    return True
+
+
+def _start_heartbeat(state: AppState, own: Ownership) -> None:
+    """Renew the owner's lease while its view runs (C44), unless the app turned it off."""
+    if not state.settings.heartbeat:
+        return
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    endpoint = request.endpoint
+
+    def report(reason: str) -> None:  # runs on the renewal thread
+        log.warning(
+            "idempotency: the lease on %s could not be renewed (%s)",
+            own.ident.key_digest[:16],
+            reason,
+        )
+        if signals.lease_renewal_failed.receivers:
+            signals.send(
+                signals.lease_renewal_failed,
+                app,
+                key_digest=own.ident.key_digest,
+                scope=own.ident.scope,
+                route=endpoint,
+                duration=time.perf_counter() - own.started,
+                reason=reason,
+            )
+
+    own.lease = heartbeat.start(
+        state.store, own.claim, own.options.lease, state.settings.max_runtime, report
+    )
+
+
+def _stop_heartbeat(own: Ownership) -> None:
+    if own.lease is not None:
+        heartbeat.stop(own.lease)
+
+
+def _hold_heartbeat(own: Ownership) -> None:
+    if own.lease is not None:
+        heartbeat.hold(own.lease)
+
+
+def _resume_heartbeat(own: Ownership) -> None:
+    if own.lease is not None and not own.settled:
+        heartbeat.resume(own.lease)
 
 
 def _lease_lost(own: Ownership, action: str) -> None:

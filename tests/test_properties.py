@@ -424,8 +424,9 @@ def test_c8_c14_c20_store_follows_the_model(store_engine, operations) -> None:
             elif claims:
                 claim_key, claim = claims[pick % len(claims)]
                 current = model.records.get(claim_key)
-                # A completed record keeps its owner's token (issue 9.4) but is no longer
-                # the owner's to complete or release.
+                # Only an in-progress record is owned; a completed one keeps its last owner's
+                # token (so a completion whose COMMIT reply was lost knows itself) but no
+                # token writes to it again.
                 is_owner = (
                     current is not None
                     and current[0] == "in_progress"

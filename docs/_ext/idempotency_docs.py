@@ -66,7 +66,7 @@ def _inline(text: str) -> list[nodes.Node]:
 
 
 class SettingsTable(SphinxDirective):
-    """``.. settings-table::`` — one row per ``Settings`` field: key, default, type, meaning."""
+    """``.. settings-table::`` — one entry per ``Settings`` field: key, meaning, default, type."""
 
     has_content = False
 
@@ -77,17 +77,7 @@ class SettingsTable(SphinxDirective):
         comments = ModuleAnalyzer.for_module(config.__name__).find_attr_docs()
         std = self.env.domains.standard_domain
 
-        table = nodes.table(classes=["settings-table"])
-        group = nodes.tgroup(cols=4)
-        table += group
-        for width in (30, 18, 12, 40):
-            group += nodes.colspec(colwidth=width)
-        head = nodes.thead()
-        group += head
-        head += self._row([nodes.Text(t)] for t in ("Key", "Default", "Type", "Meaning"))
-        body = nodes.tbody()
-        group += body
-
+        entries = nodes.definition_list(classes=["settings"])
         for field in dataclasses.fields(config.Settings):
             key = config.config_key(field.name)
             if getattr(config.ConfigVars, field.name.upper(), None) != key:
@@ -103,31 +93,25 @@ class SettingsTable(SphinxDirective):
                 help_lines = [""]
             help_text = " ".join(line.strip() for line in help_lines if line.strip())
             node_id = key.lower().replace("_", "-")
-            key_cell = nodes.literal(key, key)
-            target = nodes.inline(ids=[node_id])
-            target += key_cell
             std.note_object("confval", key, node_id, location=self.get_location())
-            default = field.default if field.default is not dataclasses.MISSING else None
-            body += self._row(
-                [
-                    [target],
-                    [nodes.literal(_default(default), _default(default))],
-                    [nodes.Text(str(field.type))],
-                    _inline(help_text),
-                ]
-            )
-        return [table]
+            default = _default(field.default if field.default is not dataclasses.MISSING else None)
 
-    @staticmethod
-    def _row(cells: Any) -> nodes.row:
-        row = nodes.row()
-        for content in cells:
-            entry = nodes.entry()
-            paragraph = nodes.paragraph()
-            paragraph.extend(content)
-            entry += paragraph
-            row += entry
-        return row
+            item = nodes.definition_list_item(ids=[node_id])
+            term = nodes.term()
+            term += nodes.literal(key, key)
+            item += term
+            definition = nodes.definition()
+            meaning = nodes.paragraph()
+            meaning.extend(_inline(help_text))
+            facts = nodes.paragraph(classes=["setting-default"])
+            facts += nodes.Text("Default: ")
+            facts += nodes.literal(default, default)
+            facts += nodes.Text(" · type: ")
+            facts += nodes.literal(str(field.type), str(field.type))
+            definition += [meaning, facts]
+            item += definition
+            entries += item
+        return [entries]
 
 
 class RuleLinks(SphinxTransform):

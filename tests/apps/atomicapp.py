@@ -21,7 +21,8 @@ the view returns; with ``ATOMIC=0`` the view commits the payment itself, as
 typical application code does, and the record is completed separately.
 
 Environment (for ``create_app()`` under gunicorn): ``DATABASE_URL``, ``IDEM_TABLE``,
-``IDEM_LEASE``, ``IDEM_WAIT``, ``ATOMIC`` (``1`` or ``0``).
+``IDEM_LEASE``, ``IDEM_WAIT``, ``ATOMIC`` (``1`` or ``0``), ``IDEM_HEARTBEAT`` (``1``
+or ``0``; unset: the default), ``IDEM_ISOLATION``, ``IDEM_SCOPE_READS_SESSION``.
 """
 
 from __future__ import annotations
@@ -172,7 +173,9 @@ def build_app(
         __table__ = payments
 
     # The side engine commits every statement on its own, outside the view's transaction.
-    side_engine = create_store_engine(database_url, isolation_level="AUTOCOMMIT", pool_size=2)
+    side_engine = create_store_engine(
+        database_url, isolation_level="AUTOCOMMIT", pool_size=2, pool_pre_ping=True
+    )
     handles = AtomicApp(
         app, db, idempotency, Payment, attempts_table(MetaData(), records_table), side_engine
     )
@@ -213,6 +216,9 @@ def build_app(
 
 def create_app() -> Flask:
     """The gunicorn entry point, configured from the environment."""
+    config = {}
+    if os.environ.get("IDEM_HEARTBEAT"):
+        config["IDEMPOTENCY_HEARTBEAT"] = os.environ["IDEM_HEARTBEAT"] == "1"
     return build_app(
         os.environ["DATABASE_URL"],
         os.environ["IDEM_TABLE"],
@@ -221,4 +227,5 @@ def create_app() -> Flask:
         atomic=os.environ.get("ATOMIC", "1") == "1",
         isolation_level=os.environ.get("IDEM_ISOLATION") or None,
         scope_reads_session=os.environ.get("IDEM_SCOPE_READS_SESSION") == "1",
+        config=config,
     ).app
