@@ -553,9 +553,7 @@ class DurableStore:
             return renewed
 
         try:
-            with (engine or self.engine).begin() as conn:
-                if conn.dialect.name == "postgresql":
-                    conn.execute(text("SET LOCAL lock_timeout = '500ms'"))
+            with (engine or self.engine).begin() as conn, dialects.lock_wait_bounded(conn):
                 return renew_all(conn)
         except SQLAlchemyError as exc:
             raise StoreError(_describe(exc)) from exc
