@@ -317,3 +317,16 @@ def test_c25_unreachable_database_is_a_store_error(tmp_path) -> None:
 
 def test_get_of_an_unknown_digest_is_none(store) -> None:
     assert store.get("0" * 64) is None
+
+
+def test_c44_c14_renew_is_fenced_on_every_database(store) -> None:
+    """C44/C14: a renewal extends only a live claim's lease under its own token; a
+    completed record (which keeps its token, 9.4) and a foreign token renew nothing."""
+    claim = store.acquire(ident("renew"), ttl=TTL, lease=1.0)
+    before = store.get(ident("renew").key_digest).lease_expires_at_ms
+    forged = Claim(claim.record_id, "not-the-token", claim.expires_at_ms, "new")
+    assert store.renew([claim, forged], LEASE) == {claim.record_id}
+    assert store.get(ident("renew").key_digest).lease_expires_at_ms > before
+    store.complete(claim, RESPONSE)
+    assert store.renew([claim], LEASE) == set()
+    assert store.get(ident("renew").key_digest).lease_expires_at_ms is None
