@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -389,6 +390,10 @@ def _lazy_engine(uri: str) -> Callable[[], Engine]:
         if engine is None:
             engine = process.once(slot, lambda: create_store_engine(uri))
             process.own_engine(engine)
+            # Its pooled connections are closed when the app's store is gone, not left
+            # to the garbage collector (C47; Python 3.13 warns of each one). Racing first
+            # callers may both register this; disposing twice is harmless.
+            weakref.finalize(factory, engine.dispose)
         return engine
 
     return factory
