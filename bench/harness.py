@@ -291,9 +291,14 @@ def run_rounds(
 ) -> list[str]:
     """Warm every path up (checking its answers), then ``rounds`` interleaved rounds.
 
-    Each round runs every path once, as a block of ``per_round`` samples, in a
-    shuffled order: a load spike from the other tenants of the machine hits a
-    few blocks of every path rather than all samples of one.
+    Interleaved sample by sample: each round takes ``per_round`` turns, and each
+    turn runs every path once, in a freshly shuffled order. A load spike from
+    the machine's other tenants then lands on a few consecutive samples of every
+    path alike, not on a whole block of one path, so ratios between paths of the
+    same round stay meaningful on a busy machine, and no path always follows
+    the same one (a path run just after a wait for a server tends to get a fresh
+    time slice from the scheduler). A round ends early after
+    ``block_seconds`` per path.
     """
     for path in paths:
         for _ in range(warmup):
@@ -305,21 +310,24 @@ def run_rounds(
     for r in range(rounds):
         order = list(paths)
         rng.shuffle(order)
-        for path in order:
-            gc.collect()
-            walls: list[int] = []
-            cpus: list[int] = []
-            deadline = time.monotonic() + block_seconds
-            run = path.run
-            while len(walls) < per_round and time.monotonic() < deadline:
+        walls: dict[str, list[int]] = {p.name: [] for p in order}
+        cpus: dict[str, list[int]] = {p.name: [] for p in order}
+        gc.collect()
+        deadline = time.monotonic() + block_seconds * len(order)
+        for _ in range(per_round):
+            rng.shuffle(order)
+            for path in order:
                 c0, w0 = thread_clock(), wall_clock()
-                run()
+                path.run()
                 w1, c1 = wall_clock(), thread_clock()
-                walls.append(w1 - w0)
-                cpus.append(c1 - c0)
+                walls[path.name].append(w1 - w0)
+                cpus[path.name].append(c1 - c0)
+            if time.monotonic() > deadline:
+                break
+        for path in order:
             path.check()
-            path.wall.append(walls)
-            path.cpu.append(cpus)
+            path.wall.append(walls[path.name])
+            path.cpu.append(cpus[path.name])
         loads.append(loadavg().split()[0])
         print(f"  {what} round {r + 1}/{rounds} done (load {loadavg()})", flush=True)
     return loads

@@ -189,7 +189,7 @@ def write(
         "",
         "## 1. In-process latency (a prepared WSGI environ handed to the app)",
         "",
-        f"{meta['rounds']} interleaved rounds × {meta['per_round']} requests per path, shuffled order each round."
+        f"{meta['rounds']} rounds × {meta['per_round']} turns; each turn runs every path once in a freshly shuffled order, so paths are interleaved sample by sample."
         " p50 = median of per-round medians; p99 over all samples. CPU = this thread's CPU time per request"
         " (median of per-round medians): less sensitive to the load than wall time, and what a change"
         " of ours was judged by.",
