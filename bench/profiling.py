@@ -302,12 +302,23 @@ def main() -> int:
             profiles[name] = top_functions(sample, max(100, args.requests // 2))
         print("profile: py-spy under gunicorn", flush=True)
         spied = spy(db_url, redis_url, args.spy_seconds)
+    print("profile: round trips under strace", flush=True)
+    from bench.roundtrips import table as roundtrip_table
+
+    roundtrips = roundtrip_table(20, args.database_url)
     load_end = loadavg()
     lines = [
         "# Where the time goes: per-step profile",
         "",
         f"Run {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC by `bench/profiling.py`; load average {load_start}"
         f" at the start, {load_end} at the end (2 cores shared with other test suites).",
+        "",
+        "## 0. Round trips per request (counted, `bench/roundtrips.py`)",
+        "",
+        "Sends from the client to each server between two markers, under strace, over 20 requests:"
+        " the one figure here that the machine's load cannot move.",
+        "",
+        *roundtrips,
         "",
         "## 1. Step timings in-process (median per request, µs)",
         "",

@@ -51,9 +51,9 @@ def main() -> int:
         "--database-url",
         default=os.environ.get("IDEMPOTENCY_BENCH_DATABASE_URL", DEFAULT_DATABASE_URL),
     )
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--per-round", type=int, default=300)
-    parser.add_argument("--http-per-round", type=int, default=80)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--per-round", type=int, default=100)
+    parser.add_argument("--http-per-round", type=int, default=50)
     parser.add_argument("--wake-trials", type=int, default=20)
     parser.add_argument("--wrk-rounds", type=int, default=3)
     parser.add_argument("--wrk-seconds", type=float, default=4.0)
