@@ -74,12 +74,15 @@ def account_scope() -> str | None:
 
 
 def _env_config() -> dict[str, Any]:
-    """What the environment says: database, Redis, simulated gateway latency."""
+    """The shorthands hosts hand out: ``DATABASE_URL``, ``REDIS_URL``; and the demo's latency.
+
+    Everything else comes Flask's way, ``FLASK_<KEY>`` (see :func:`create_app`).
+    """
     config: dict[str, Any] = {}
-    database_url = os.environ.get("DATABASE_URL") or os.environ.get("IDEMPOTENCY_DATABASE_URI")
+    database_url = os.environ.get("DATABASE_URL")
     if database_url:
         config["SQLALCHEMY_DATABASE_URI"] = _normalise_database_url(database_url)
-    redis_url = os.environ.get("REDIS_URL") or os.environ.get("IDEMPOTENCY_REDIS_URL")
+    redis_url = os.environ.get("REDIS_URL")
     if redis_url:
         config["IDEMPOTENCY_REDIS_URL"] = redis_url
     latency = os.environ.get("GATEWAY_LATENCY")
@@ -106,12 +109,19 @@ def _gateway_latency(value: Any) -> float:
 
 
 def create_app(config: dict[str, Any] | None = None, *, instance_path: str | None = None) -> Flask:
-    """Build the payments app. ``config`` wins over the environment, which wins over defaults."""
+    """Build the payments app. ``config`` wins over the environment, which wins over defaults.
+
+    The environment is read Flask's way: ``FLASK_<KEY>`` becomes ``app.config[KEY]``
+    (``FLASK_IDEMPOTENCY_REDIS_URL=redis://…`` turns the Redis tier on, values are
+    parsed as JSON where they can be: ``FLASK_IDEMPOTENCY_WAIT=2.5``), plus the
+    ``DATABASE_URL`` / ``REDIS_URL`` shorthands hosts hand out.
+    """
     app = Flask(__name__, instance_path=instance_path)
     app.config.update(
         GATEWAY_LATENCY=0.0,
         MAX_CONTENT_LENGTH=64 * 1024,  # a payment request is small; Flask answers 413 beyond
     )
+    app.config.from_prefixed_env()
     app.config.update(_env_config())
     app.config.update(config or {})
     app.config["GATEWAY_LATENCY"] = _gateway_latency(app.config["GATEWAY_LATENCY"])

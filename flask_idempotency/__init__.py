@@ -11,6 +11,8 @@ def create_payment(): ...
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
+
 from . import signals
 from .config import ConfigVars
 from .decorators import current_key_digest, idempotent, release_claim
@@ -24,7 +26,10 @@ from .problems import (
     StoreUnavailable,
 )
 
-__version__ = "0.1.0"
+try:  # one source for the version: the installed package's metadata (setup.cfg)
+    __version__ = _metadata.version("Flask-Idempotency")
+except _metadata.PackageNotFoundError:  # imported from a checkout that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ConfigVars",

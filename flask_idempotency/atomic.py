@@ -1,13 +1,28 @@
-"""Transactional mode: the view's writes and the record's completion commit together (C40).
+"""Transactional mode: the view's writes and the record's completion commit together (C40, C43).
 
 With ``@idempotent(atomic=True)`` and ``Idempotency(db=db)``, the claim is still
-its own short committed transaction, so other workers see it at once. The view
-then writes through ``db.session`` and flushes, but does not commit. When the
-response is known, the completion, an UPDATE fenced by this owner's lock token
-(which also locks the row), is written into that same transaction, and one
-commit makes both durable. A crash at any instant leaves both or neither: the
-database rolls back an uncommitted transaction when its connection dies, and
-the claim's lease lets the next retry take over.
+its own short committed transaction, so other workers see it at once. Once the
+claim is won, a :class:`Unit` ends whatever transaction ``db.session`` had open
+(a scope loader that loaded ``current_user`` started one, and at REPEATABLE READ
+or SERIALIZABLE its snapshot predates the claim) and begins a fresh one that sees
+the claim, at the route's isolation level if it names one. The view then writes
+through ``db.session`` and flushes, but does not commit. When the response is
+known, the completion, an UPDATE fenced by this owner's lock token, is written
+into that same transaction, and one commit makes both durable. A crash at any
+instant leaves both or neither: the database rolls back an uncommitted
+transaction when its connection dies, and the claim's lease lets the next retry
+take over.
+
+At a snapshot level (REPEATABLE READ, SERIALIZABLE) the transaction cannot see a
+row version committed after its snapshot, so it could not complete a record the
+lease heartbeat had renewed meanwhile. There the unit locks its record's row as
+its first statement instead: while the transaction is open nobody can take the
+key over, and the lock dies with the connection, so a killed worker still frees
+its key for the next retry once its lease has lapsed.
+
+A serialization failure (40001) or deadlock (40P01) anywhere in the unit rolls
+it back; the route's ``retries`` say how often the view runs again, in a fresh
+transaction under the same claim (:class:`Retryable`).
 
 If another request took the lease over meanwhile, the fenced UPDATE matches no
 row: the view's writes are rolled back and the client gets 409; the new owner's
@@ -21,11 +36,11 @@ import weakref
 from typing import Any
 
 from flask import current_app
-from sqlalchemy import event
-from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy import event, select, text
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
 from .records import Claim, StoredResponse
-from .store import DurableStore, StoreError, _describe
+from .store import DurableStore, StoreError, _describe, _sqlstate
 
 log = logging.getLogger("flask_idempotency")
 
@@ -35,6 +50,16 @@ _OWNED = "flask_idempotency.atomic_owner"
 _COMMITTING = "flask_idempotency.committing"
 _guarded: weakref.WeakSet[Any] = weakref.WeakSet()
 
+#: Levels whose transaction reads one snapshot taken at its first statement.
+_SNAPSHOT_LEVELS = frozenset({"REPEATABLE READ", "SERIALIZABLE"})
+#: Dialects where ``SET TRANSACTION ISOLATION LEVEL`` sets the next transaction's level only
+#: (SQLite's transactions are serializable already).
+_SET_TRANSACTION = frozenset({"postgresql", "mysql", "mariadb"})
+#: SQLSTATEs after which the view runs again in a fresh transaction (C43).
+RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+#: The isolation level each engine's connections use by default, read once per engine.
+_engine_levels: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
 
 class ViewCommitted(RuntimeError):
     """An atomic view committed ``db.session`` itself, outside the extension's unit."""
@@ -43,6 +68,33 @@ class ViewCommitted(RuntimeError):
 class ViewWriteFailed(RuntimeError):
     """Flushing an atomic view's writes failed (a constraint, bad data): the view's own
     error, so the claim is released and the request fails like a view exception."""
+
+
+class Retryable(Exception):
+    """The unit hit a serialization failure or deadlock; everything it wrote is rolled back."""
+
+    def __init__(self, sqlstate: str, detail: str) -> None:
+        super().__init__(detail)
+        self.sqlstate = sqlstate
+
+
+class LeaseLost(Exception):
+    """The unit found its record no longer held by its lock token before the view ran."""
+
+
+def retryable_sqlstate(exc: BaseException | None) -> str | None:
+    """The SQLSTATE if ``exc`` (or what it wraps) is a serialization failure or deadlock."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, Retryable):
+            return exc.sqlstate
+        if isinstance(exc, DBAPIError):
+            state = _sqlstate(exc)
+            if state in RETRYABLE_SQLSTATES:
+                return state
+        exc = exc.__cause__
+        seen += 1
+    return None
 
 
 def guard_sessions(db: Any) -> None:
@@ -66,44 +118,112 @@ def _before_commit(session: Any) -> None:
         session.info.pop(_OWNED, None)
 
 
-def begin(db: Any) -> None:
-    """Mark the session as owned by an atomic view, before the view runs."""
-    db.session.info[_OWNED] = True
+class Unit:
+    """One atomic owner's transaction: begun after the claim, committed with the completion."""
 
+    def __init__(self, db: Any, store: DurableStore, claim: Claim, isolation: str | None) -> None:
+        self.db = db
+        self.store = store
+        self.claim = claim
+        self.isolation = isolation
+        self.locks_row = False
 
-def commit(db: Any, store: DurableStore, claim: Claim, response: StoredResponse) -> int | None:
-    """Complete the record inside the view's transaction and commit both.
+    def begin(self) -> None:
+        """Start the view's transaction so that it sees the claim (C43).
 
-    Returns the record's expiry, or ``None`` when the lease was lost (the view's
-    writes were rolled back). Raises :class:`ViewWriteFailed` when the view's own
-    writes cannot be flushed, and :class:`StoreError` when the database failed
-    (both rolled back).
-    """
-    session = db.session
-    session.info[_COMMITTING] = True
-    try:
-        # Flush the view's pending writes first (autoflush may be off): the completion
-        # locks the record's row until the commit, and a slow flush must not hold it.
-        try:
-            session.flush()
-        except SQLAlchemyError as exc:
-            if not _is_disconnect(exc):
-                # The view's own data broke a constraint: its error, not a store outage.
-                _rollback_quietly(session)
-                raise ViewWriteFailed(_describe(exc)) from exc
-            raise
-        row = session.execute(store.completion_statement(claim, response)).first()
-        if row is None:
-            session.rollback()
-            return None
-        session.commit()
-        return int(row.expires_at_ms)
-    except SQLAlchemyError as exc:
+        Whatever ``db.session`` did before the claim is rolled back: that work ran
+        before this request owned the key, and its snapshot may predate the claim.
+        Objects it loaded (``current_user``) are expired and reload on access.
+        Raises :class:`LeaseLost` when, at a snapshot level, the record is no
+        longer ours, and :class:`Retryable` or :class:`StoreError` when the
+        database refuses.
+        """
+        session = self.db.session
         _rollback_quietly(session)
-        raise StoreError(_describe(exc)) from exc
-    finally:
-        session.info.pop(_COMMITTING, None)
-        session.info.pop(_OWNED, None)
+        session.info[_OWNED] = True
+        try:
+            level = self._level(session)
+            if self.isolation is not None and self._dialect(session) in _SET_TRANSACTION:
+                session.execute(text(f"SET TRANSACTION ISOLATION LEVEL {self.isolation}"))
+            self.locks_row = level in _SNAPSHOT_LEVELS
+            if self.locks_row and not self._lock_record(session):
+                _rollback_quietly(session)
+                raise LeaseLost
+        except SQLAlchemyError as exc:
+            _rollback_quietly(session)
+            state = retryable_sqlstate(exc)
+            if state is not None:
+                raise Retryable(state, _describe(exc)) from exc
+            raise StoreError(_describe(exc)) from exc
+
+    def _dialect(self, session: Any) -> str:
+        return str(session.get_bind().dialect.name)
+
+    def _level(self, session: Any) -> str | None:
+        """The level this unit's transaction runs at: the route's, else the engine's."""
+        if self.isolation is not None:
+            return self.isolation
+        engine = session.get_bind()
+        if engine.dialect.name == "sqlite":
+            return None  # one writer at a time: no snapshot can miss a later write
+        level = _engine_levels.get(engine)
+        if level is None:
+            with engine.connect() as conn:
+                level = str(conn.get_isolation_level()).upper().replace("_", " ")
+            _engine_levels[engine] = level
+        return level
+
+    def _lock_record(self, session: Any) -> bool:
+        """Lock the record's row as the transaction's first statement; ``False`` if not ours."""
+        t = self.store.table
+        stmt = (
+            select(t.c.id)
+            .where(t.c.id == self.claim.record_id, t.c.lock_token == self.claim.lock_token)
+            .with_for_update(key_share=True)
+        )
+        return session.execute(stmt).first() is not None
+
+    def commit(self, response: StoredResponse) -> int | None:
+        """Complete the record inside the view's transaction and commit both.
+
+        Returns the record's expiry, or ``None`` when the lease was lost (the
+        view's writes were rolled back). Raises :class:`ViewWriteFailed` when the
+        view's own writes cannot be flushed, :class:`Retryable` on a serialization
+        failure or deadlock, and :class:`StoreError` when the database failed (all
+        rolled back).
+        """
+        session = self.db.session
+        session.info[_COMMITTING] = True
+        try:
+            # Flush the view's pending writes first (autoflush may be off): the completion
+            # locks the record's row until the commit, and a slow flush must not hold it.
+            try:
+                session.flush()
+            except SQLAlchemyError as exc:
+                if retryable_sqlstate(exc) is None and not _is_disconnect(exc):
+                    # The view's own data broke a constraint: its error, not a store outage.
+                    _rollback_quietly(session)
+                    raise ViewWriteFailed(_describe(exc)) from exc
+                raise
+            row = session.execute(self.store.completion_statement(self.claim, response)).first()
+            if row is None:
+                session.rollback()
+                return None
+            session.commit()
+            return int(row.expires_at_ms)
+        except SQLAlchemyError as exc:
+            _rollback_quietly(session)
+            state = retryable_sqlstate(exc)
+            if state is not None:
+                raise Retryable(state, _describe(exc)) from exc
+            raise StoreError(_describe(exc)) from exc
+        finally:
+            session.info.pop(_COMMITTING, None)
+            session.info.pop(_OWNED, None)
+
+    def rollback(self) -> None:
+        """Throw the view's writes away: the outcome is not stored, or the attempt is retried."""
+        abandon(self.db)
 
 
 def _is_disconnect(exc: SQLAlchemyError) -> bool:

@@ -18,9 +18,13 @@ class ResponseCache(Protocol):
     def get(self, key_digest: str) -> Completed | None:
         """The cached completed record, or ``None`` on a miss or any cache error."""
 
-    def promote(self, key_digest: str, record: Completed, *, publish: bool) -> None:
-        """Cache ``record`` until its own absolute expiry; with ``publish``, also send
-        the ``done`` wake-up in the same round trip (C23)."""
+    def promote(self, key_digest: str, record: Completed, ttl_ms: int) -> None:
+        """Cache ``record`` for ``ttl_ms``, the time it has left by the database's clock
+        (C23, C42); nothing when that is not positive."""
+
+    def probe(self, key_digest: str) -> Completed | None:
+        """One read even while the cache is backing off after a failure: the database is
+        down and a cached record could still answer a replay (15.6)."""
 
     def discard(self, key_digest: str) -> None:
         """Drop a cached copy: its durable record was replaced after expiry (R59)."""
@@ -32,7 +36,10 @@ class NoCache:
     def get(self, key_digest: str) -> Completed | None:
         return None
 
-    def promote(self, key_digest: str, record: Completed, *, publish: bool) -> None:
+    def promote(self, key_digest: str, record: Completed, ttl_ms: int) -> None:
+        return None
+
+    def probe(self, key_digest: str) -> Completed | None:
         return None
 
     def discard(self, key_digest: str) -> None:

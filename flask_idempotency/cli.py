@@ -418,7 +418,7 @@ def forget_command(
 @idempotency_cli.command("check")
 @database_errors
 def check_command() -> None:
-    """Check that the database answers and the table matches this version's definition."""
+    """Check the database and the table against this version's definition, then the Redis tier."""
     maintenance = _maintenance()
     report = maintenance.check_schema()
     if not report.exists:
@@ -434,6 +434,7 @@ def check_command() -> None:
             " Migrate it to the definition in flask_idempotency/table.py."
         )
     click.echo(f"OK: the table {report.table!r} matches what Flask-Idempotency expects.")
+    _check_redis_tier()
 
 
 @idempotency_cli.command("create-table")
@@ -449,10 +450,53 @@ def create_table_command(sql_only: bool) -> None:
         raise click.ClickException(
             "this app passes db= to Idempotency, so the table belongs in its migrations:\n"
             f'  flask db migrate -m "add {maintenance.table.name} table"\n'
-            "  flask db upgrade"
+            "  flask db upgrade\n"
+            "or, without Flask-Migrate, db.create_all() in an app context;"
+            " `flask idempotency create-table --sql` prints the DDL."
         )
     if maintenance.table_exists():
         click.echo(f"The table {maintenance.table.name!r} already exists; nothing to do.")
         return
     maintenance.create_table()
     click.echo(f"Created the table {maintenance.table.name!r}.")
+
+
+#: How long ``check`` gives the wake-up listener to confirm its subscription.
+LISTENER_CHECK_SECONDS = 5.0
+
+
+def _check_redis_tier() -> None:
+    """Report the Redis tier: configured, reachable, prefix, wake-up listener live (C10, C24).
+
+    Requests never fail because Redis is down (C24), which is exactly why the
+    operator's check must say so: a configured tier that does not answer exits 1.
+    """
+    from .extension import redis_target
+
+    state = _state()
+    target = redis_target(state.settings, state.extension._redis)
+    if target is None:
+        click.echo(
+            "Redis tier: none (IDEMPOTENCY_REDIS_URL is not set): no cache; wake-ups reach"
+            " only requests in the same process, others poll the database."
+        )
+        return
+    click.echo(f"Redis tier: configured, {target}, prefix {state.settings.redis_prefix!r}")
+    if not state.cache.ping():
+        click.echo("  reachable: NO")
+        raise click.ClickException(
+            f"Redis at {target} does not answer. Requests still work, from the database"
+            " alone and slower; fix the URL or the server."
+        )
+    click.echo("  reachable: yes (PING answered)")
+    channel = state.wakeups.channel
+    channel.ensure_listening(state.wakeups)
+    listener = channel.listener
+    if not listener.wait_until_live(LISTENER_CHECK_SECONDS):
+        click.echo("  wake-up listener: NOT live")
+        raise click.ClickException(
+            f"the wake-up listener did not subscribe to {listener.channel!r} within"
+            f" {LISTENER_CHECK_SECONDS:g} s: waiting duplicates will poll instead"
+            " (is pub/sub allowed on this Redis?)."
+        )
+    click.echo(f"  wake-up listener: live (subscribed to {listener.channel!r})")

@@ -37,58 +37,59 @@ NEVER_REPLAYED = frozenset(
 #: never stored (C16).
 TRANSIENT_STATUSES = frozenset({408, 409, 423, 425, 429})
 
-
-class ConfigVars:
-    """The ``app.config`` keys this extension reads."""
-
-    DATABASE_URI = "IDEMPOTENCY_DATABASE_URI"
-    REDIS_URL = "IDEMPOTENCY_REDIS_URL"
-    HEADER = "IDEMPOTENCY_HEADER"
-    REPLAY_HEADER = "IDEMPOTENCY_REPLAY_HEADER"
-    METHODS = "IDEMPOTENCY_METHODS"
-    REQUIRED = "IDEMPOTENCY_REQUIRED"
-    TTL = "IDEMPOTENCY_TTL"
-    LEASE = "IDEMPOTENCY_LEASE"
-    WAIT = "IDEMPOTENCY_WAIT"
-    KEY_MAX_LENGTH = "IDEMPOTENCY_KEY_MAX_LENGTH"
-    STRICT_HEADER = "IDEMPOTENCY_STRICT_HEADER"
-    STORE_SERVER_ERRORS = "IDEMPOTENCY_STORE_SERVER_ERRORS"
-    MAX_BODY_BYTES = "IDEMPOTENCY_MAX_BODY_BYTES"
-    REPLAY_HEADERS = "IDEMPOTENCY_REPLAY_HEADERS"
-    FAIL_OPEN = "IDEMPOTENCY_FAIL_OPEN"
-    REDIS_PREFIX = "IDEMPOTENCY_REDIS_PREFIX"
-    TABLE = "IDEMPOTENCY_TABLE"
-    PROBLEM_TYPE_BASE = "IDEMPOTENCY_PROBLEM_TYPE_BASE"
-    ATOMIC = "IDEMPOTENCY_ATOMIC"
-    MAX_WAITERS = "IDEMPOTENCY_MAX_WAITERS"
-    CREATE_TABLE = "IDEMPOTENCY_CREATE_TABLE"
-    REDIS_SOCKET_TIMEOUT = "IDEMPOTENCY_REDIS_SOCKET_TIMEOUT"
+#: Isolation levels a transactional route may ask for, as SQL spells them (C43).
+ISOLATION_LEVELS = frozenset({"READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"})
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """Configuration of one app, resolved and validated in ``init_app``."""
 
+    #: The durable store, source of truth for claims and results. Default: the
+    #: ``db=`` or ``engine=`` database, else a SQLite file in the app's instance folder.
     database_uri: str | None = None
+    #: Redis cache tier and wake-up channel (``redis://…``). Default: none, no cache tier.
     redis_url: str | None = None
+    #: The request header that carries the key.
     header: str = "Idempotency-Key"
+    #: Set to ``true`` on every replayed response (C9).
     replay_header: str = "Idempotent-Replayed"
+    #: Methods a key applies to; on other methods it is ignored (C1). ``GET``, ``HEAD``,
+    #: ``OPTIONS``, ``TRACE`` and ``CONNECT`` are refused. A list or one comma-separated string.
     methods: frozenset[str] = frozenset({"POST", "PATCH"})
+    #: A protected request without a key is a 400 ``missing-key`` (C4).
     required: bool = False
+    #: Seconds a key lives, counted from its first request (C21).
     ttl: float = 86400.0
+    #: Seconds an in-progress claim is held before another request may take it over
+    #: (C13); must be shorter than the TTL.
     lease: float = 60.0
+    #: Seconds a duplicate waits for the in-flight original (C10); ``0`` answers 409 at once.
     wait: float = 5.0
+    #: Longest key accepted, 1 to 4096 characters (C3).
     key_max_length: int = 255
+    #: Accept only the structured-field form ``"key"``; by default a bare ``key`` is the
+    #: same key (C2).
     strict_header: bool = False
+    #: Store and replay 5xx responses instead of releasing the key (C17).
     store_server_errors: bool = False
+    #: Largest response body stored whole; larger ones are stored without their body (C33).
     max_body_bytes: int = 1_048_576
+    #: Response headers stored and replayed. ``Set-Cookie``, ``Date``, ``Retry-After``,
+    #: ``Content-Length``, ``WWW-Authenticate`` and hop-by-hop headers are refused.
     replay_headers: frozenset[str] = frozenset(
         {"content-type", "content-language", "location", "etag", "last-modified"}
     )
+    #: With the database down: ``False`` answers 503; ``True`` runs the view unprotected,
+    #: marked with ``Idempotency-Unprotected`` (C25).
     fail_open: bool = False
+    #: Namespace of Redis keys and channels.
     redis_prefix: str = "idem"
+    #: Name of the records table.
     table: str = "idempotency_keys"
+    #: Prefix of the problem ``type`` URIs (C27).
     problem_type_base: str = DEFAULT_PROBLEM_TYPE_BASE
+    #: Transactional mode for every protected route; needs ``db=`` (C40).
     atomic: bool = False
     #: Requests one process parks at once; beyond it duplicates get 409 at once (R86).
     max_waiters: int = 256
@@ -96,6 +97,16 @@ class Settings:
     create_table: bool | None = None
     #: Seconds a Redis command may take before the tier counts as down (C24).
     redis_socket_timeout: float = 0.1
+    #: Form field holding the key when a request has no key header (C49).
+    form_field: str = "_idempotency_key"
+    #: PostgreSQL: commit the claim with ``synchronous_commit = off`` (one fsync wait less
+    #: per first execution). A crash or failover can then lose a claim whose owner still
+    #: runs, and a retry runs the view at the same time. Off: the claim is durable.
+    async_claim: bool = False
+    #: Renew a running owner's lease in the background, about every lease/3 (C44).
+    heartbeat: bool = True
+    #: Seconds after its claim that an owner stops renewing, so a hung view lets go (C44).
+    max_runtime: float = 900.0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Settings:
@@ -103,7 +114,7 @@ class Settings:
         base = cls()
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
-            name = "IDEMPOTENCY_" + field.name.upper()
+            name = config_key(field.name)
             if name in config:
                 values[field.name] = config[name]
         settings = dataclasses.replace(base, **values)
@@ -141,6 +152,8 @@ class Settings:
             raise ValueError("IDEMPOTENCY_HEADER and IDEMPOTENCY_REPLAY_HEADER must be set.")
         _header_name(self.header, "IDEMPOTENCY_HEADER")
         _header_name(self.replay_header, "IDEMPOTENCY_REPLAY_HEADER")
+        if not isinstance(self.form_field, str) or not self.form_field:
+            raise ValueError("IDEMPOTENCY_FORM_FIELD must be a non-empty form field name.")
         base = self.problem_type_base
         if not isinstance(base, str) or not base:
             raise ValueError("IDEMPOTENCY_PROBLEM_TYPE_BASE must be a URI.")
@@ -153,6 +166,7 @@ class Settings:
             store_server_errors=_flag(self.store_server_errors, "IDEMPOTENCY_STORE_SERVER_ERRORS"),
             fail_open=_flag(self.fail_open, "IDEMPOTENCY_FAIL_OPEN"),
             atomic=_flag(self.atomic, "IDEMPOTENCY_ATOMIC"),
+            async_claim=_flag(self.async_claim, "IDEMPOTENCY_ASYNC_CLAIM"),
             create_table=(
                 None
                 if self.create_table is None
@@ -167,8 +181,34 @@ class Settings:
             redis_socket_timeout=_seconds(
                 self.redis_socket_timeout, "IDEMPOTENCY_REDIS_SOCKET_TIMEOUT"
             ),
+            heartbeat=_flag(self.heartbeat, "IDEMPOTENCY_HEARTBEAT"),
+            max_runtime=_seconds(self.max_runtime, "IDEMPOTENCY_MAX_RUNTIME"),
             problem_type_base=base if base.endswith(("/", "#", ":")) else base + "/",
         )
+
+
+def config_key(field_name: str) -> str:
+    """The ``app.config`` key of one :class:`Settings` field: ``ttl`` → ``IDEMPOTENCY_TTL``."""
+    return "IDEMPOTENCY_" + field_name.upper()
+
+
+class _ConfigNames(type):
+    """Lets type checkers see every ``ConfigVars.NAME`` as a string; the names are set below."""
+
+    def __getattr__(cls, name: str) -> str:
+        raise AttributeError(f"ConfigVars has no {name!r}: no Settings field {name.lower()!r}.")
+
+
+class ConfigVars(metaclass=_ConfigNames):
+    """The ``app.config`` keys this extension reads, e.g. ``ConfigVars.TTL == "IDEMPOTENCY_TTL"``.
+
+    Derived from the fields of :class:`Settings`, so the two lists cannot drift apart.
+    """
+
+
+for _field in dataclasses.fields(Settings):
+    setattr(ConfigVars, _field.name.upper(), config_key(_field.name))
+del _field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +222,10 @@ class RouteOptions:
     methods: frozenset[str] | None = None
     atomic: bool | None = None
     store_server_errors: bool | None = None
+    #: Transactional mode only: the view's transaction runs at this level (C43).
+    isolation: str | None = None
+    #: Transactional mode only: re-runs of the view after 40001/40P01 (C43).
+    retries: int | None = None
 
     def __post_init__(self) -> None:
         if self.methods is not None:
@@ -197,6 +241,17 @@ class RouteOptions:
                 object.__setattr__(self, name, _flag(value, f"@idempotent({name}=...)"))
         if self.ttl is not None and self.lease is not None and self.lease >= self.ttl:
             raise ValueError("@idempotent(lease=...) must be shorter than its ttl.")
+        if self.isolation is not None:
+            object.__setattr__(
+                self, "isolation", _isolation(self.isolation, "@idempotent(isolation=...)")
+            )
+        if self.retries is not None:
+            retries = _integer(self.retries, "@idempotent(retries=...)")
+            if not 0 <= retries <= 100:
+                raise ValueError("@idempotent(retries=...) must be between 0 and 100.")
+            object.__setattr__(self, "retries", retries)
+        if (self.isolation is not None or self.retries is not None) and self.atomic is False:
+            raise ValueError("@idempotent(isolation=..., retries=...) need atomic=True.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +265,8 @@ class EffectiveOptions:
     methods: frozenset[str]
     atomic: bool
     store_server_errors: bool
+    isolation: str | None = None
+    retries: int = 0
 
     @classmethod
     def merge(cls, settings: Settings, route: RouteOptions) -> EffectiveOptions:
@@ -225,9 +282,16 @@ class EffectiveOptions:
             methods=pick("methods"),
             atomic=bool(pick("atomic")),
             store_server_errors=bool(pick("store_server_errors")),
+            isolation=route.isolation,
+            retries=route.retries or 0,
         )
         if options.lease >= options.ttl:
             raise ValueError("The lease of an idempotent route must be shorter than its ttl.")
+        if (route.isolation is not None or route.retries is not None) and not options.atomic:
+            raise ValueError(
+                "isolation= and retries= apply to transactional mode: add atomic=True"
+                " (or set IDEMPOTENCY_ATOMIC)."
+            )
         return options
 
 
@@ -261,6 +325,15 @@ def _upper_set(value: Any, name: str) -> frozenset[str]:
             " or replayed; a key sent with them is ignored."
         )
     return frozenset(methods)
+
+
+def _isolation(value: Any, name: str) -> str:
+    """``"serializable"`` or ``"REPEATABLE_READ"`` → the SQL spelling; anything else fails."""
+    level = value.strip().upper().replace("_", " ") if isinstance(value, str) else None
+    if level not in ISOLATION_LEVELS:
+        levels = ", ".join(sorted(ISOLATION_LEVELS))
+        raise ValueError(f"{name} must be one of {levels}, not {value!r}.")
+    return level
 
 
 def _header_name(value: Any, name: str) -> str:

@@ -10,10 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
 
-from flask import g
-
 from .config import RouteOptions
-from .lifecycle import ROUTE_OPTIONS_ATTR, Ownership
+from .lifecycle import ROUTE_OPTIONS_ATTR, current_ownership
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -33,6 +31,8 @@ def idempotent(
     methods: Iterable[str] | None = None,
     atomic: bool | None = None,
     store_server_errors: bool | None = None,
+    isolation: str | None = None,
+    retries: int | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -46,11 +46,17 @@ def idempotent(
     methods: Iterable[str] | None = None,
     atomic: bool | None = None,
     store_server_errors: bool | None = None,
+    isolation: str | None = None,
+    retries: int | None = None,
 ) -> Any:
     """Protect a view with Idempotency-Key handling.
 
     Bare (``@idempotent``) it uses the app's ``IDEMPOTENCY_*`` settings; each
-    keyword overrides one of them for this view only.
+    keyword overrides one of them for this view only. In transactional mode
+    (``atomic=True``), ``isolation`` (``"READ COMMITTED"``, ``"REPEATABLE READ"``,
+    ``"SERIALIZABLE"``) is the level of the view's transaction, and ``retries``
+    how often a serialization failure or deadlock runs the view again, in a fresh
+    transaction under the same claim (C43).
     """
     options = RouteOptions(
         required=required,
@@ -60,6 +66,8 @@ def idempotent(
         methods=frozenset(methods) if methods is not None else None,
         atomic=atomic,
         store_server_errors=store_server_errors,
+        isolation=isolation,
+        retries=retries,
     )
 
     def mark(func: F) -> F:
@@ -80,7 +88,7 @@ def release_claim() -> bool:
     effect (a validation failure, say): the client can fix the request and retry
     with the same key. Returns ``False`` when the request owns no claim.
     """
-    own: Ownership | None = g.get("_idempotency")
+    own = current_ownership()
     if own is None:
         return False
     own.release_requested = True
@@ -95,5 +103,5 @@ def current_key_digest() -> str | None:
     payment gateway: ``f"shop-{current_key_digest()[:32]}"``. The raw key never
     leaves the request (C30).
     """
-    own: Ownership | None = g.get("_idempotency")
+    own = current_ownership()
     return None if own is None else own.ident.key_digest

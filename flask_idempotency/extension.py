@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -13,14 +14,18 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import StaticPool
 
-from . import atomic, lifecycle
+from . import atomic, forms, lifecycle, process
 from .cache import NoCache, ResponseCache
-from .config import EffectiveOptions, RouteOptions, Settings
+from .config import ConfigVars, EffectiveOptions, RouteOptions, Settings
+from .dbclock import DatabaseClock
 from .fingerprint import default_scope
+from .jobs import Once
+from .records import COMPLETED, Claim, Completed, Identity, Record
 from .store import DurableStore
 from .wakeup import WakeupHub
 
 EXTENSION_NAME = "idempotency"
+log = logging.getLogger("flask_idempotency")
 
 
 @dataclasses.dataclass
@@ -32,9 +37,48 @@ class AppState:
     store: DurableStore
     cache: ResponseCache
     wakeups: WakeupHub
+    #: The database's clock as seen from this process: how long a cached copy may live (C42).
+    clock: DatabaseClock = dataclasses.field(default_factory=DatabaseClock)
     _options: dict[RouteOptions, EffectiveOptions] = dataclasses.field(default_factory=dict)
     #: One line per outage of the durable store, not one per failed request.
     outage_log: lifecycle.ThrottledLog = dataclasses.field(default_factory=lifecycle.ThrottledLog)
+    #: Whether this app has said that it runs on the default scope (once per app).
+    _default_scope_told: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _default_scope_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def look_up(
+        self, ident: Identity, *, ttl: float, lease: float, guard_locks: bool
+    ) -> tuple[Claim | Completed | Record, str]:
+        """Cache first (completed records only), then claim or read the durable record.
+
+        Returns the outcome and where it came from (``cache`` or ``database``). A
+        completed durable record is promoted for the time it has left by the
+        database's clock (C23, C42); every answer of the store refreshes that clock.
+        Requests and ``once()`` both decide from this one lookup.
+        """
+        cached = self.cache.get(ident.key_digest)
+        if cached is not None:  # Redis expires each copy when its record expires (C42)
+            return cached, "cache"
+        sent_at = self.clock.mark()
+        outcome = self.store.acquire(ident, ttl=ttl, lease=lease, guard_locks=guard_locks)
+        if isinstance(outcome, Record):
+            self.clock.observe(outcome.now_ms, sent_at)
+            if outcome.state == COMPLETED:
+                completed = outcome.completed()
+                self.promote(ident.key_digest, completed)  # read-through (C23)
+                return completed, "database"
+        elif outcome.how in ("new", "replaced"):  # the database set expiry = its now + ttl
+            self.clock.observe(outcome.expires_at_ms - int(ttl * 1000), sent_at)
+        return outcome, "database"
+
+    def promote(self, key_digest: str, completed: Completed) -> None:
+        """Cache a completed record for the time it has left by the database's clock (C42)."""
+        self.cache.promote(key_digest, completed, self.clock.remaining_ms(completed.expires_at_ms))
+
+    def announce_completed(self, key_digest: str, completed: Completed) -> None:
+        """After the durable commit: promote, then wake the waiters everywhere (C23)."""
+        self.promote(key_digest, completed)
+        self.wakeups.announce(key_digest, "done")
 
     def effective_options(self, route: RouteOptions) -> EffectiveOptions:
         options = self._options.get(route)
@@ -64,7 +108,25 @@ class AppState:
             scope = loader()
             if scope is not None and str(scope) != "":
                 return "scope:" + str(scope)
+        else:
+            self._tell_default_scope()
         return default_scope(request)
+
+    def _tell_default_scope(self) -> None:
+        """Warn once per app that keys are scoped by the defaults, and what they risk (C46)."""
+        if self._default_scope_told.is_set():
+            return
+        with self._default_scope_lock:
+            if self._default_scope_told.is_set():
+                return
+            self._default_scope_told.set()
+        log.warning(
+            "idempotency: no scope_loader is registered, so keys are scoped by the Flask-Login"
+            " user when one is logged in, else by a digest of the Authorization header (a client"
+            " that refreshes its token between retries gets the view run again), else shared"
+            " as 'anonymous'. Register @idempotency.scope_loader returning the tenant or user"
+            " id."
+        )
 
 
 class Idempotency:
@@ -105,22 +167,55 @@ class Idempotency:
         _check_registered_views(app, settings)
         store = self._build_store(app, settings)
         wakeups = WakeupHub(max_waiters=settings.max_waiters)
-        cache = self._build_cache(app, settings, wakeups)
+        cache = self._build_cache(settings, store, wakeups)
         app.extensions[EXTENSION_NAME] = AppState(self, settings, store, cache, wakeups)
         app.before_request(lifecycle.before_request)
         app.after_request(lifecycle.after_request)
         app.teardown_request(lifecycle.teardown_request)
+        app.add_template_global(forms.idempotency_key_field, "idempotency_key_field")  # C49
         got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
         if self._db is not None:
             atomic.guard_sessions(self._db)
         from .cli import idempotency_cli
 
         app.cli.add_command(idempotency_cli)
+        _warn_unread_environment(app)
+        log.info("idempotency: app %r uses %s", app.name, self._describe_tiers(app, settings))
 
     def scope_loader(self, func: Callable[[], Any]) -> Callable[[], Any]:
         """Register the function that names whose key this is: tenant, account or user (C5)."""
         self._scope_loader = func
         return func
+
+    def once(
+        self,
+        key: str | Callable[..., Any],
+        *,
+        scope: str = "jobs",
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        payload: Any = None,
+        name: str | None = None,
+        atomic: bool = False,
+    ) -> Once:
+        """Run work outside a request once per key: a context manager and decorator (C50).
+
+        The same claim, lease, fencing and replay as a protected view, on the same
+        store; the result (JSON-serialisable) is what a duplicate gets. ``ttl``,
+        ``lease`` and ``wait`` default to the app's settings. See :mod:`.jobs`.
+        """
+        return Once(
+            self,
+            key,
+            scope=scope,
+            ttl=ttl,
+            lease=lease,
+            wait=wait,
+            payload=payload,
+            name=name,
+            atomic=atomic,
+        )
 
     # -- per-app access ---------------------------------------------------------------
 
@@ -139,6 +234,29 @@ class Idempotency:
     def store(self) -> DurableStore:
         """The durable store of the current app."""
         return self.state.store
+
+    # -- saying what is in use (no I/O: read from configuration, never from a server) --
+
+    def _describe_tiers(self, app: Flask, settings: Settings) -> str:
+        """``store: <dialect> (<where>), table 'name'; cache: …; wake-ups: …`` for the log."""
+        if self._engine is not None:
+            store = f"{_describe_url(self._engine.url)} (engine=)"
+        elif self._db is not None:
+            uri = app.config.get("SQLALCHEMY_DATABASE_URI")
+            store = f"{_describe_url(uri) if uri else 'the default engine'} (Flask-SQLAlchemy db=)"
+        elif settings.database_uri:
+            store = _describe_url(settings.database_uri)
+        else:
+            store = "sqlite (the default: the instance folder)"
+        cache = redis_target(settings, self._redis)
+        if cache is None:
+            tiers = "cache: none; wake-ups: this process only (no IDEMPOTENCY_REDIS_URL)"
+        else:
+            tiers = (
+                f"cache: Redis {cache}, prefix {settings.redis_prefix!r};"
+                " wake-ups: Redis pub/sub across processes"
+            )
+        return f"store: {store}, table {settings.table!r}; {tiers}"
 
     # -- building the tiers ---------------------------------------------------------
 
@@ -168,16 +286,81 @@ class Idempotency:
             metadata=metadata,
             table_name=settings.table,
             create_table=bool(create_table),
+            async_claim=settings.async_claim,
         )
 
-    def _build_cache(self, app: Flask, settings: Settings, wakeups: WakeupHub) -> ResponseCache:
+    def _build_cache(
+        self, settings: Settings, store: DurableStore, wakeups: WakeupHub
+    ) -> ResponseCache:
         if self._redis is None and not settings.redis_url:
             return NoCache()
-        from .redis_tier import RedisTier
+        from .redis_tier import RedisTier, store_origin
 
-        tier = RedisTier.from_settings(settings, client=self._redis)
-        wakeups.channel = tier
-        return tier
+        def origin() -> str:
+            # Resolved on first use: with db= or engine= the engine may not exist yet.
+            return store_origin(store.engine_without_setup().url, store.table.fullname)
+
+        tier = RedisTier.from_settings(settings, client=self._redis, origin=origin)
+        wakeups.channel = tier.notifier
+        return tier.cache
+
+
+def redis_target(settings: Settings, client: Any) -> str | None:
+    """Where the Redis tier points, password hidden; ``None`` when there is none."""
+    if client is not None:
+        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+        where = kwargs.get("path") or (
+            f"{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+            if "host" in kwargs
+            else None
+        )
+        return f"(Redis client {type(client).__name__}{' at ' + where if where else ''})"
+    if settings.redis_url:
+        return _describe_url(settings.redis_url)
+    return None
+
+
+def _describe_url(url: Any) -> str:
+    """A database or Redis URL with its password hidden."""
+    try:
+        return str(make_url(url).render_as_string(hide_password=True))
+    except Exception:  # not a URL SQLAlchemy can parse: show only its scheme
+        return str(url).split(":", 1)[0] + "://…"
+
+
+#: Flask's convention for configuration from the environment: ``FLASK_<KEY>`` read by
+#: ``app.config.from_prefixed_env()``.
+_FLASK_ENV_PREFIX = "FLASK_"
+
+
+def _warn_unread_environment(app: Flask) -> None:
+    """Name ``IDEMPOTENCY_*`` settings set in the environment that ``app.config`` never got.
+
+    The extension reads ``app.config`` only, like every Flask extension; a variable
+    exported for it and never loaded would otherwise be ignored without a word.
+    """
+    settings = sorted(
+        {
+            value
+            for value in (getattr(ConfigVars, name) for name in dir(ConfigVars))
+            if isinstance(value, str) and value.startswith("IDEMPOTENCY_")
+        }
+    )
+    names = [
+        f"{prefix}{key}"
+        for key in settings
+        for prefix in ("", _FLASK_ENV_PREFIX)
+        if f"{prefix}{key}" in os.environ and key not in app.config
+    ]
+    if names:
+        log.warning(
+            "idempotency: the environment sets %s, but app %r has no such setting in"
+            " app.config, so it is not used. Flask-Idempotency reads app.config only: name"
+            " the variable FLASK_<SETTING> (e.g. FLASK_IDEMPOTENCY_REDIS_URL) and call"
+            " app.config.from_prefixed_env() before init_app, or copy it into app.config.",
+            ", ".join(names),
+            app.name,
+        )
 
 
 def _check_registered_views(app: Flask, settings: Settings) -> None:
@@ -195,26 +378,40 @@ def _check_registered_views(app: Flask, settings: Settings) -> None:
 
 
 def _lazy_engine(uri: str) -> Callable[[], Engine]:
-    lock = threading.Lock()
-    engine: list[Engine] = []
+    """The engine for ``uri``, built on first use and owned by :mod:`process` (reset after
+    fork). No lock: building an engine opens no connection, so racing first requests may
+    both build one and agree on the first stored (a lock made here, before gevent patched
+    ``threading`` under ``--preload``, would stall a gevent worker)."""
+    slot: dict[str, Engine] = {}
 
     def factory() -> Engine:
-        with lock:
-            if not engine:
-                engine.append(create_store_engine(uri))
-            return engine[0]
+        engine = slot.get("value")
+        if engine is None:
+            engine = process.once(slot, lambda: create_store_engine(uri))
+            process.own_engine(engine)
+        return engine
 
     return factory
 
 
 def create_store_engine(uri: str, **options: Any) -> Engine:
-    """An engine tuned for the store: fail fast when the database is unreachable (C25)."""
+    """An engine tuned for the store: fail fast when the database is unreachable (C25).
+
+    PostgreSQL engines work behind a transaction pooler such as PgBouncer on both
+    drivers: psycopg2 never prepares, and psycopg 3 is told not to.
+    """
     url = make_url(uri)
     backend = url.get_backend_name()
     kwargs: dict[str, Any] = {}
     if backend == "postgresql":
-        if url.get_driver_name() in ("psycopg2", ""):
+        driver = url.get_driver_name()
+        if driver in ("psycopg2", ""):
             kwargs["connect_args"] = {"connect_timeout": 3}
+        elif driver == "psycopg":
+            # No server-side prepared statements: behind a transaction pooler (PgBouncer)
+            # the next transaction may run on another server connection, where "_pg3_0"
+            # already exists or does not exist at all.
+            kwargs["connect_args"] = {"connect_timeout": 3, "prepare_threshold": None}
         kwargs["pool_size"] = 10
         kwargs["max_overflow"] = 20
         kwargs["pool_timeout"] = 5

@@ -12,10 +12,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import sys
 import tempfile
+from collections.abc import Callable
 from typing import IO, Any
 
-from flask import Request
+from flask import Request, current_app
 
 #: Bumped whenever the canonical form changes, so old records never match by accident.
 FINGERPRINT_VERSION = b"fp1"
@@ -30,7 +32,12 @@ _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
 _CANONICAL_JSON = json.JSONEncoder(
     sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True
 )
-_FIELDS_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_FORM_MIMETYPES = {
+    "application/x-www-form-urlencoded": b"form:",
+    "multipart/form-data": b"multipart:",
+}
+#: What ``json.dumps(ensure_ascii=False)`` does to one string (quotes included).
+_JSON_STRING: Callable[[str], str] = json.encoder.encode_basestring
 
 
 def key_digest(scope: str, key: str) -> str:
@@ -39,20 +46,46 @@ def key_digest(scope: str, key: str) -> str:
 
 
 def default_scope(request: Request) -> str:
-    """Scope when no ``scope_loader`` is registered: a digest of ``Authorization``.
+    """Scope when no ``scope_loader`` is registered (C46).
 
-    Requests without credentials share the scope ``anonymous``: any client that
-    guesses another's key could then read its response, so register a
-    ``scope_loader`` that names the tenant or user.
+    The Flask-Login user when one is logged in; else a digest of
+    ``Authorization``, which changes when a client refreshes its token, so a retry
+    after a refresh is a new request; else the shared scope ``anonymous``, where
+    any client that guesses another's key could read its response. Register a
+    ``scope_loader`` that names the tenant or user to avoid both.
     """
+    user_id = _login_user_id()
+    if user_id is not None:
+        return "user:" + user_id
     authorization = request.headers.get("Authorization")
     if not authorization:
         return ANONYMOUS_SCOPE
     return "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
 
 
-def request_fingerprint(request: Request) -> str:
-    """SHA-256 over method, route, query and canonical body, as hex (C6)."""
+def _login_user_id() -> str | None:
+    """``current_user.get_id()`` when the app uses Flask-Login and a user is logged in.
+
+    Looked up in ``sys.modules``, not imported: an app that uses Flask-Login has
+    imported it already, and one that does not pays nothing. An app without a
+    ``LoginManager`` has no ``current_user`` to ask.
+    """
+    flask_login = sys.modules.get("flask_login")
+    if flask_login is None or getattr(current_app, "login_manager", None) is None:
+        return None
+    user = flask_login.current_user
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None
+    user_id = user.get_id()
+    return None if user_id is None or str(user_id) == "" else str(user_id)
+
+
+def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozenset()) -> str:
+    """SHA-256 over method, route, query and canonical body, as hex (C6).
+
+    ``omit_fields``: form fields that say nothing about the request itself (the
+    form's idempotency key and CSRF token, C49), left out of a form body.
+    """
     rule = request.url_rule.rule if request.url_rule is not None else request.path
     # The common cases (no URL values, no query string) skip the encoder: "{}" and "[]"
     # are exactly what it would produce for them.
@@ -62,7 +95,7 @@ def request_fingerprint(request: Request) -> str:
     else:
         query = "[]"
     body = hashlib.sha256()
-    _hash_body(request, body)
+    _hash_body(request, body, omit_fields)
     return _digest(
         FINGERPRINT_VERSION,
         request.method.encode("ascii"),
@@ -73,29 +106,22 @@ def request_fingerprint(request: Request) -> str:
     )
 
 
-def _hash_body(request: Request, body: Any) -> None:
+def _hash_body(request: Request, body: Any, omit_fields: frozenset[str] = frozenset()) -> None:
     mimetype = request.mimetype
     if mimetype == "application/json" or mimetype.endswith("+json"):
         data = request.get_data(cache=True)
         canonical = _canonical_json(data)
         body.update(b"json:" if canonical is not None else b"raw:")
         body.update(canonical if canonical is not None else data)
-    elif mimetype == "application/x-www-form-urlencoded":
-        # Cache the raw bytes first: the form is then parsed from the cache and the
-        # view can still read them (webhook signatures are computed over them, X18).
-        # Werkzeug reads an urlencoded body into memory to parse it anyway.
-        request.get_data(cache=True)
-        body.update(b"form:")
-        body.update(_canonical_fields(request, with_files=False))
-    elif mimetype == "multipart/form-data":
-        # Spool the raw body (memory, then disk) and parse the form from the spool,
-        # then rewind it, so the view can read the exact bytes too (X18). A form an
-        # earlier hook already parsed has consumed the stream: the fields still count.
-        if "form" not in request.__dict__:
-            _spool_stream(request, None)
-        body.update(b"multipart:")
-        body.update(_canonical_fields(request, with_files=True))
-        _rewind_spool(request)
+    elif mimetype in _FORM_MIMETYPES:
+        # A form is parsed once, by Werkzeug, straight from the stream, exactly as the
+        # view would have it parsed, and the view reuses that parse: its fields (and
+        # uploads, spooled to Werkzeug's temporary files) are the one copy (C31). The
+        # raw bytes are not kept on top of it: an app that verifies a signature over
+        # them caches them in a before_request hook registered before init_app, and
+        # the form is then parsed from that cache, as in Flask without this layer.
+        body.update(_FORM_MIMETYPES[mimetype])
+        _hash_fields(request, body, omit_fields, with_files=mimetype == "multipart/form-data")
     else:
         body.update(b"raw:")
         _spool_stream(request, body)
@@ -117,8 +143,15 @@ def _canonical_json(data: bytes) -> bytes | None:
         return None
 
 
-def _canonical_fields(request: Request, *, with_files: bool) -> bytes:
-    fields: list[list[str]] = [["f", k, v] for k, v in request.form.items(multi=True)]
+def _hash_fields(request: Request, body: Any, omit: frozenset[str], *, with_files: bool) -> None:
+    """Hash the sorted fields as the compact JSON list they always were, piece by piece.
+
+    The bytes fed to ``body`` are exactly ``json.dumps(fields, separators=(",", ":"),
+    ensure_ascii=False).encode()``, so fingerprints do not change, but no whole
+    JSON text of the form is ever built: an 80 MiB field used to cost two more
+    80 MiB copies (the JSON string and its UTF-8 bytes), see C31.
+    """
+    fields = [["f", k, v] for k, v in request.form.items(multi=True) if k not in omit]
     if with_files:
         for name, upload in request.files.items(multi=True):
             content = hashlib.sha256()
@@ -130,7 +163,27 @@ def _canonical_fields(request: Request, *, with_files: bool) -> bytes:
                 ["file", name, upload.filename or "", upload.mimetype, content.hexdigest()]
             )
     fields.sort()
-    return _FIELDS_JSON.encode(fields).encode("utf-8")
+    body.update(b"[")
+    for index, field in enumerate(fields):
+        body.update(b"[" if index == 0 else b",[")
+        for position, text in enumerate(field):
+            if position:
+                body.update(b",")
+            _hash_json_string(text, body)
+        body.update(b"]")
+    body.update(b"]")
+
+
+def _hash_json_string(text: str, body: Any) -> None:
+    """Feed ``json.dumps(text, ensure_ascii=False).encode()`` to ``body`` in slices.
+
+    JSON escapes each code point on its own, so escaping slices and joining them
+    gives the same text as escaping the whole string.
+    """
+    body.update(b'"')
+    for start in range(0, len(text), _CHUNK):
+        body.update(_JSON_STRING(text[start : start + _CHUNK])[1:-1].encode("utf-8"))
+    body.update(b'"')
 
 
 def _spool_stream(request: Request, body: Any | None) -> None:
@@ -159,12 +212,6 @@ def _spool_stream(request: Request, body: Any | None) -> None:
     spool.seek(0)
     request.__dict__["stream"] = spool
     request.close = _closing(request.close, spool)  # type: ignore[method-assign]
-
-
-def _rewind_spool(request: Request) -> None:
-    stream = request.__dict__.get("stream")
-    if isinstance(stream, tempfile.SpooledTemporaryFile) and not stream.closed:
-        stream.seek(0)
 
 
 def _closing(close: Any, spool: IO[bytes]) -> Any:

@@ -3,7 +3,9 @@
 The draft the header is modelled on makes its value an RFC 9651 String
 (``"8e03978e-…"``), yet nearly every client in the wild sends the bare value
 (``8e03978e-…``). We accept both by default and treat them as the same key;
-``IDEMPOTENCY_STRICT_HEADER`` keeps only the structured form, as RFC 9651 reads.
+``IDEMPOTENCY_STRICT_HEADER`` keeps only the structured form and answers a bare
+key with 400 ``invalid-key`` naming the form it wants (a bare key read as "no
+key" would run the view unprotected).
 """
 
 from __future__ import annotations
@@ -26,22 +28,44 @@ class InvalidKey(ValueError):
     """The header is present but its value cannot be a key (C3); ``str()`` says why."""
 
 
+#: Why a field holding a comma outside a quoted string is refused. A WSGI server joins
+#: repeated header lines into one value with commas (gunicorn and Werkzeug's server use
+#: ``,``, Werkzeug's test client ``, ``), so two lines and a list look the same here.
+SENT_TWICE = (
+    "The Idempotency-Key header was sent more than once, or as a comma-separated list"
+    " (servers join repeated header lines with commas). Send exactly one key; a key that"
+    ' itself holds a comma must be sent as a quoted string, "a,b".'
+)
+#: What strict mode (``IDEMPOTENCY_STRICT_HEADER``) wants instead of a bare key.
+QUOTED_ONLY = (
+    "This server accepts the Idempotency-Key only as a structured-field string: send it"
+    ' in double quotes, "key" (for example Idempotency-Key: "8e03978e-40d5-43e8-bc93-…").'
+)
+_ASCII_ONLY = (
+    "The Idempotency-Key may hold only printable ASCII characters (no control characters,"
+    " tabs or non-ASCII text), in any form: encode other text first (hex or base64url, say)."
+)
+
+
 def parse_key(values: list[str], *, strict: bool = False, max_length: int = 255) -> str | None:
     """Return the key carried by the header's field lines, or ``None`` if absent.
 
     ``values`` are the raw field lines of the header (several lines are an error,
     never a choice between them). Raises :class:`InvalidKey` for a value that is
-    present but unusable. In strict mode a value that is not a String is "absent",
-    which is what RFC 9651 asks of an invalid field.
+    present but unusable, with a message that tells the client what to send. In
+    strict mode a bare key is such a value: answering 400 beats running the view
+    unprotected, which is what treating it as absent would do.
     """
     if not values:
         return None
     if len(values) > 1:
-        raise InvalidKey("The Idempotency-Key header was sent more than once.")
+        raise InvalidKey(SENT_TWICE)
     field = values[0].strip(" \t")
+    if _has_list_comma(field):
+        raise InvalidKey(SENT_TWICE)
     if not field.startswith('"'):
-        if strict:
-            return None
+        if strict and field:
+            raise InvalidKey(QUOTED_ONLY)
         key = _parse_bare(field)
     else:
         key = _parse_item(field)
@@ -52,14 +76,32 @@ def parse_key(values: list[str], *, strict: bool = False, max_length: int = 255)
     return key
 
 
+def _has_list_comma(field: str) -> bool:
+    """Whether ``field`` has a comma outside a quoted string: two values, not one key."""
+    quoted = escaped = False
+    for char in field:
+        if escaped:
+            escaped = False
+        elif quoted and char == "\\":
+            escaped = True
+        elif char == '"':
+            quoted = not quoted
+        elif char == "," and not quoted:
+            return True
+    return False
+
+
 def _parse_bare(field: str) -> str:
     if not field:
         raise InvalidKey("The Idempotency-Key is empty.")
     for char in field:
         if char not in _BARE_KEY_CHARS:
+            if not " " <= char <= "~":
+                raise InvalidKey(_ASCII_ONLY)
             raise InvalidKey(
-                "The Idempotency-Key may hold only printable ASCII without spaces, quotes,"
-                ' backslashes, commas or semicolons; quote it as "…" to send other characters.'
+                "A bare Idempotency-Key cannot hold spaces, double quotes, backslashes or"
+                ' semicolons; send such a key as a quoted string, "…", with \\" and \\\\'
+                " escaped."
             )
     return field
 
@@ -91,10 +133,7 @@ def _parse_item(field: str) -> str:
     key = _parse_string(cursor)
     _skip_parameters(cursor)
     if not cursor.done():
-        raise InvalidKey(
-            "The Idempotency-Key must be a single quoted string; found more after it"
-            " (a list of keys, or two header lines, is not allowed)."
-        )
+        raise InvalidKey("The Idempotency-Key must be a single quoted string; found more after it.")
     return key
 
 
@@ -117,10 +156,7 @@ def _parse_string(cursor: _Cursor) -> str:
         elif char == '"':
             return "".join(out)
         elif not " " <= char <= "~":
-            raise InvalidKey(
-                "The Idempotency-Key may hold only printable ASCII characters"
-                " (no control characters, tabs or non-ASCII text)."
-            )
+            raise InvalidKey(_ASCII_ONLY)
         else:
             out.append(char)
     raise InvalidKey("The Idempotency-Key has no closing double quote.")

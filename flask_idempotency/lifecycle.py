@@ -13,21 +13,22 @@ import dataclasses
 import functools
 import inspect
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from flask import Response, current_app, g, request
+from flask import Response, current_app, has_request_context, request
 
-from . import atomic, signals
+from . import atomic, forms, heartbeat, signals
 from .config import TRANSIENT_STATUSES, EffectiveOptions, RouteOptions
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
 from .problems import InvalidKeyProblem, KeyReused, MissingKey, RequestInProgress, StoreUnavailable
-from .records import COMPLETED, IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
+from .records import IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .responses import capture, replay
-from .store import StoreError
+from .store import StoreError, StoreMisconfigured
 from .wakeup import PollSchedule, TooManyWaiters
 
 if TYPE_CHECKING:
@@ -39,9 +40,12 @@ log = logging.getLogger("flask_idempotency")
 ROUTE_OPTIONS_ATTR = "__idempotency_options__"
 #: Header on a response the view produced without protection (``IDEMPOTENCY_FAIL_OPEN``).
 UNPROTECTED_HEADER = "Idempotency-Unprotected"
-#: A cached record this close to its expiry counts as a miss (clock skew, race X13).
-_CACHE_SKEW_MS = 5000
 _STORE_RETRY_AFTER = 3.0
+#: Where a request's ownership lives: its WSGI environ, not ``g``. ``g`` belongs to the
+#: app context, which a request shares with the next one pushed inside it (a test under
+#: ``app.app_context()``, a sub-request made from a view), so state kept there leaks.
+_OWNERSHIP_KEY = "flask_idempotency.ownership"
+_UNPROTECTED_KEY = "flask_idempotency.unprotected"
 
 
 @dataclasses.dataclass
@@ -57,6 +61,10 @@ class Ownership:
     settled: bool = False
     #: Set by the view wrapper: only an outcome of the view itself is ever stored (R48).
     view_started: bool = False
+    #: Transactional mode: the view's transaction, begun once the view starts (C40, C43).
+    unit: atomic.Unit | None = None
+    #: The lease heartbeat's entry while the owner runs (C44).
+    lease: heartbeat.Lease | None = None
 
 
 @dataclasses.dataclass
@@ -68,6 +76,14 @@ class _Decision:
     options: EffectiveOptions
     started: float
     source: str = "database"
+
+
+def current_ownership() -> Ownership | None:
+    """The claim the current request owns, if any (``None`` outside a request)."""
+    if not has_request_context():
+        return None
+    own: Ownership | None = request.environ.get(_OWNERSHIP_KEY)
+    return own
 
 
 # -- before the view ------------------------------------------------------------------
@@ -86,10 +102,11 @@ def before_request() -> Response | None:
     started = time.perf_counter()
     settings = state.settings
     try:
-        key = parse_key(
-            request.headers.getlist(settings.header),
-            strict=settings.strict_header,
-            max_length=settings.key_max_length,
+        headers = request.headers.getlist(settings.header)
+        key = (
+            parse_key(headers, strict=settings.strict_header, max_length=settings.key_max_length)
+            if headers
+            else forms.key_from_form(request, settings)  # C49: no header, maybe a form field
         )
     except InvalidKey as exc:
         raise InvalidKeyProblem(str(exc)) from None  # C3
@@ -101,7 +118,7 @@ def before_request() -> Response | None:
     ident = Identity(
         scope=scope,
         key_digest=key_digest(scope, key),
-        fingerprint=request_fingerprint(request),
+        fingerprint=request_fingerprint(request, forms.omitted_fields(settings)),
         method=request.method,
         path=request.path,
     )
@@ -109,6 +126,11 @@ def before_request() -> Response | None:
     try:
         return _decide(decision)
     except StoreError as exc:
+        # The database is down: a cached record may still answer a replay (15.6).
+        cached = state.cache.probe(ident.key_digest)
+        if cached is not None:
+            decision.source = "cache"
+            return _answer(decision, cached)
         return _store_down(decision, exc)
 
 
@@ -140,22 +162,12 @@ def _decide(decision: _Decision) -> Response | None:
 
 def _look_up(decision: _Decision) -> Claim | Completed | Record:
     """Cache first (completed records only), then claim or read the durable record."""
-    digest = decision.ident.key_digest
-    cached = decision.state.cache.get(digest)
-    if cached is not None and cached.expires_at_ms - _CACHE_SKEW_MS > time.time() * 1000:
-        decision.source = "cache"
-        return cached
-    outcome = decision.state.store.acquire(
+    outcome, decision.source = decision.state.look_up(
         decision.ident,
         ttl=decision.options.ttl,
         lease=decision.options.lease,
         guard_locks=decision.options.atomic,
     )
-    if isinstance(outcome, Record) and outcome.state == COMPLETED:
-        decision.source = "database"
-        completed = outcome.completed()
-        decision.state.cache.promote(digest, completed, publish=False)  # read-through (C23)
-        return completed
     return outcome
 
 
@@ -232,14 +244,15 @@ def _answer(decision: _Decision, outcome: Claim | Completed | Record) -> Respons
 
 
 def _own(decision: _Decision, claim: Claim) -> None:
-    if decision.options.atomic:
-        atomic.begin(decision.state.require_db())  # C40: the view's writes join the completion
     if claim.how == "replaced":
         decision.state.cache.discard(decision.ident.key_digest)  # an old copy must not replay
     elif claim.how == "taken_over":
         _emit(signals.lease_taken_over, decision)
     _track_view_start(request.endpoint)
-    g._idempotency = Ownership(decision.ident, claim, decision.options, decision.started)
+    request.environ[_OWNERSHIP_KEY] = own = Ownership(
+        decision.ident, claim, decision.options, decision.started
+    )
+    _start_heartbeat(decision.state, own)
     _emit(signals.request_executed, decision, how=claim.how)
 
 
@@ -263,16 +276,25 @@ _START_TRACKED_ATTR = "__idempotency_start_tracked__"
 
 
 def _start_tracking(view: Callable[..., Any]) -> Callable[..., Any]:
-    def mark_started() -> None:
-        own: Ownership | None = g.get("_idempotency")
+    def started() -> Ownership | None:
+        own = current_ownership()
         if own is not None:
             own.view_started = True
+        return own
 
     if inspect.iscoroutinefunction(view):
 
         @functools.wraps(view)
         async def tracked_async(*args: Any, **kwargs: Any) -> Any:
-            mark_started()
+            own = started()
+            if own is not None and own.options.atomic:
+                try:  # no re-runs: a coroutine view runs once
+                    refused = _begin_unit(own)
+                except atomic.Retryable as exc:
+                    own.unit.rollback()  # type: ignore[union-attr]
+                    return _out_of_retries(own, 1, exc.sqlstate)
+                if refused is not None:
+                    return refused
             return await view(*args, **kwargs)
 
         tracked: Callable[..., Any] = tracked_async
@@ -280,7 +302,9 @@ def _start_tracking(view: Callable[..., Any]) -> Callable[..., Any]:
 
         @functools.wraps(view)
         def tracked_sync(*args: Any, **kwargs: Any) -> Any:
-            mark_started()
+            own = started()
+            if own is not None and own.options.atomic:
+                return _run_atomic(own, view, args, kwargs)
             return view(*args, **kwargs)
 
         tracked = tracked_sync
@@ -316,6 +340,13 @@ class ThrottledLog:
 
 def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
     settings = decision.state.settings
+    if isinstance(exc, StoreMisconfigured):  # a deployment error: never fail open for it (C45)
+        log.error("idempotency: %s", exc)
+        _emit(signals.store_error, decision, tier="database", error=str(exc), action="claim")
+        raise StoreUnavailable(
+            "The idempotency table is not set up, so the request was not processed.",
+            retry_after=_STORE_RETRY_AFTER,
+        )
     decision.state.outage_log.warning(
         "idempotency: durable store unavailable (%s), e.g. for key %s",
         exc,
@@ -323,7 +354,7 @@ def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
     )
     _emit(signals.store_error, decision, tier="database", error=str(exc), action="claim")
     if settings.fail_open:
-        g._idempotency_unprotected = True
+        request.environ[_UNPROTECTED_KEY] = True
         return None
     raise StoreUnavailable(
         "The idempotency store is unavailable, so the request was not processed."
@@ -336,12 +367,13 @@ def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
 
 
 def after_request(response: Response) -> Response:
-    if g.pop("_idempotency_unprotected", False):
+    if request.environ.pop(_UNPROTECTED_KEY, False):
         response.headers[UNPROTECTED_HEADER] = "store-unavailable"
-    own: Ownership | None = g.get("_idempotency")
+    own = current_ownership()
     if own is None or own.settled:
         return response
     own.settled = True
+    _stop_heartbeat(own)
     reason = _release_reason(own, response.status_code)
     if reason is not None:
         _release(own, reason, response.status_code)
@@ -368,13 +400,13 @@ def _store(own: Ownership, response: Response) -> Response:
     """Complete the record with ``response``; the answer the client gets (C14, C23, C40)."""
     state: AppState = current_app.extensions["idempotency"]
     digest = own.ident.key_digest
+    if own.options.atomic:
+        return _store_atomic(own, response)
     try:
         stored = capture(response, state.settings)
     except Exception:
         _release(own, "exception", response.status_code)  # a stream that failed mid-buffer
         raise
-    if own.options.atomic:
-        return _store_atomic(own, response, stored)
     try:
         expires_at_ms = _complete_with_retries(state, own.claim, stored)
     except StoreError as exc:
@@ -409,54 +441,161 @@ def _complete_with_retries(state: AppState, claim: Claim, stored: StoredResponse
     return state.store.complete(claim, stored)
 
 
-def _store_atomic(own: Ownership, response: Response, stored: StoredResponse) -> Response:
+def _store_atomic(own: Ownership, response: Response, *, retry: bool = False) -> Response:
     """Commit the view's writes and the completion as one transaction (C40).
 
     Both or neither: if the lease was lost, or the commit failed, the view's
     writes are gone, so its response would be a lie; the client gets a problem
-    telling it to retry with the same key.
+    telling it to retry with the same key. With ``retry``, a serialization
+    failure or deadlock propagates as :class:`atomic.Retryable` for the caller to
+    run the view again; without, it is answered like any failed commit.
     """
     state: AppState = current_app.extensions["idempotency"]
     try:
-        expires_at_ms = atomic.commit(state.require_db(), state.store, own.claim, stored)
+        stored = capture(response, state.settings)
+    except Exception:
+        _release(own, "exception", response.status_code)  # a stream that failed mid-buffer
+        raise
+    if own.unit is None:
+        own.unit = atomic.Unit(state.require_db(), state.store, own.claim, own.options.isolation)
+    try:
+        expires_at_ms = own.unit.commit(stored)
     except atomic.ViewWriteFailed:
         _release(own, "exception", stored.status)  # like an exception in the view (C17)
         raise
+    except atomic.Retryable as exc:
+        if retry:
+            raise
+        return _atomic_store_failed(own, StoreError(str(exc)), "commit", stored.status)
     except StoreError as exc:
-        log.error("idempotency: atomic commit failed for %s: %s", own.ident.key_digest[:16], exc)
-        _emit_owned(signals.store_error, own, tier="database", error=str(exc), action="commit")
-        _release(own, "commit-failed", stored.status)
-        return StoreUnavailable(
-            "The request could not be committed and nothing was kept. Retry with the same key.",
-            retry_after=_STORE_RETRY_AFTER,
-        ).get_response()
+        return _atomic_store_failed(own, exc, "commit", stored.status)
     if expires_at_ms is None:
         _lease_lost(own, "complete")
-        return RequestInProgress(
-            "Another request took this Idempotency-Key over while this one ran;"
-            " this one's changes were rolled back. Retry with the same key to get its result.",
-            retry_after=1.0,
-        ).get_response()
+        return _lost_lease_answer()
     _completed(own, stored, expires_at_ms)
     return response
+
+
+def _begin_unit(own: Ownership) -> Response | None:
+    """Begin the view's transaction after the claim (C43); an answer if it cannot run."""
+    state: AppState = current_app.extensions["idempotency"]
+    if own.unit is None:
+        own.unit = atomic.Unit(state.require_db(), state.store, own.claim, own.options.isolation)
+    try:
+        own.unit.begin()
+    except atomic.LeaseLost:
+        own.settled = True
+        _lease_lost(own, "begin")
+        return _lost_lease_answer()
+    except StoreError as exc:
+        own.settled = True
+        return _atomic_store_failed(own, exc, "begin", None)
+    return None
+
+
+def _run_atomic(
+    own: Ownership, view: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Run the view and commit its writes with its record, as one unit of work (C40, C43).
+
+    A serialization failure or deadlock, in the view or at the commit, rolls the
+    attempt back; the view runs again in a fresh transaction under the same claim,
+    up to the route's ``retries``. Only the last attempt's response is stored.
+    Past the retries the claim is released and the client gets 503 with
+    Retry-After. The claim itself is never given up between attempts.
+    """
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            _hold_heartbeat(own)  # a renewal under way must not race the lock or snapshot
+            refused = _begin_unit(own)
+            if refused is not None:
+                return refused
+            assert own.unit is not None
+            if not own.unit.locks_row:
+                _resume_heartbeat(own)  # a row lock, where taken, holds the key instead
+            response = current_app.make_response(view(*args, **kwargs))
+            if _release_reason(own, response.status_code) is not None:
+                return response  # after_request releases it, rolling the writes back
+            own.settled = True
+            _hold_heartbeat(own)
+            return _store_atomic(own, response, retry=True)
+        except Exception as exc:
+            sqlstate = atomic.retryable_sqlstate(exc)
+            if sqlstate is None:
+                raise
+            own.settled = False
+            assert own.unit is not None
+            own.unit.rollback()
+            _resume_heartbeat(own)
+            if attempts > own.options.retries:
+                return _out_of_retries(own, attempts, sqlstate)
+            _emit_owned(signals.transaction_retried, own, attempt=attempts, sqlstate=sqlstate)
+            time.sleep(random.uniform(0.0, 0.005 * attempts))  # let the winner commit first
+
+
+def _out_of_retries(own: Ownership, attempts: int, sqlstate: str) -> Response:
+    """Every attempt conflicted: keep nothing, free the key, tell the client to retry."""
+    own.settled = True
+    log.warning(
+        "idempotency: %s conflicted with concurrent transactions (SQLSTATE %s) %d time(s);"
+        " released",
+        own.ident.key_digest[:16],
+        sqlstate,
+        attempts,
+    )
+    _release(own, "serialization-failure", None)
+    return StoreUnavailable(
+        f"The request conflicted with concurrent transactions {attempts} time(s) and nothing"
+        " was kept. Retry with the same key.",
+        retry_after=1.0,
+    ).get_response()
+
+
+def _lost_lease_answer() -> Response:
+    return RequestInProgress(
+        "Another request took this Idempotency-Key over while this one ran;"
+        " this one's changes were rolled back. Retry with the same key to get its result.",
+        retry_after=1.0,
+    ).get_response()
+
+
+def _atomic_store_failed(
+    own: Ownership, exc: StoreError, action: str, status: int | None
+) -> Response:
+    log.error("idempotency: atomic %s failed for %s: %s", action, own.ident.key_digest[:16], exc)
+    _emit_owned(signals.store_error, own, tier="database", error=str(exc), action=action)
+    if not _release(own, f"{action}-failed", status):
+        return _lost_lease_answer()  # another request holds the key now: its answer will replay
+    return StoreUnavailable(
+        "The request could not be committed and nothing was kept. Retry with the same key.",
+        retry_after=_STORE_RETRY_AFTER,
+    ).get_response()
 
 
 def _completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> None:
     """After the durable commit: promote to the cache, then wake the waiters (C23)."""
     state: AppState = current_app.extensions["idempotency"]
     digest = own.ident.key_digest
-    completed = Completed(own.ident.fingerprint, expires_at_ms, stored)
-    state.cache.promote(digest, completed, publish=True)  # C23: after the commit
-    state.wakeups.wake(digest)
+    state.announce_completed(digest, Completed(own.ident.fingerprint, expires_at_ms, stored))
     _emit_owned(
         signals.response_stored, own, status=stored.status, body_omitted=stored.body_omitted
     )
 
 
 def teardown_request(exc: BaseException | None) -> None:
-    """Release a claim the response path never settled: an exception propagated (C15)."""
-    own: Ownership | None = g.get("_idempotency")
-    if own is None or own.settled:
+    """Release a claim the response path never settled: an exception propagated (C15).
+
+    The request's state is dropped here whatever happens, so nothing of it is seen
+    by a later request or by code running after the request ended.
+    """
+    own: Ownership | None = request.environ.pop(_OWNERSHIP_KEY, None)
+    request.environ.pop(_UNPROTECTED_KEY, None)
+    if own is None:
+        return
+    _stop_heartbeat(own)
+    if own.settled:
         return
     own.settled = True
     _release(own, "exception" if exc is not None else "unfinished", None)
@@ -464,12 +603,13 @@ def teardown_request(exc: BaseException | None) -> None:
 
 def mark_failed(sender: Any, exception: BaseException, **extra: Any) -> None:
     """``got_request_exception`` receiver: an uncaught exception always releases (C17)."""
-    own: Ownership | None = g.get("_idempotency")
+    own = current_ownership()
     if own is not None:
         own.failed = True
 
 
-def _release(own: Ownership, reason: str, status: int | None) -> None:
+def _release(own: Ownership, reason: str, status: int | None) -> bool:
+    """Give the key back; ``False`` when it was no longer ours (taken over)."""
     state: AppState = current_app.extensions["idempotency"]
     digest = own.ident.key_digest
     if own.options.atomic:
@@ -479,12 +619,57 @@ def _release(own: Ownership, reason: str, status: int | None) -> None:
     except StoreError as exc:
         log.error("idempotency: could not release %s: %s", digest[:16], exc)
         _emit_owned(signals.store_error, own, tier="database", error=str(exc), action="release")
-        return
+        return True
     if not released:
         _lease_lost(own, "release")
-        return
+        return False
     state.wakeups.announce(digest, "released")  # C20: one waiter claims it next (C12)
     _emit_owned(signals.claim_released, own, reason=reason, status=status)
+    return True
+
+
+def _start_heartbeat(state: AppState, own: Ownership) -> None:
+    """Renew the owner's lease while its view runs (C44), unless the app turned it off."""
+    if not state.settings.heartbeat:
+        return
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    endpoint = request.endpoint
+
+    def report(reason: str) -> None:  # runs on the renewal thread
+        log.warning(
+            "idempotency: the lease on %s could not be renewed (%s)",
+            own.ident.key_digest[:16],
+            reason,
+        )
+        if signals.lease_renewal_failed.receivers:
+            signals.send(
+                signals.lease_renewal_failed,
+                app,
+                key_digest=own.ident.key_digest,
+                scope=own.ident.scope,
+                route=endpoint,
+                duration=time.perf_counter() - own.started,
+                reason=reason,
+            )
+
+    own.lease = heartbeat.start(
+        state.store, own.claim, own.options.lease, state.settings.max_runtime, report
+    )
+
+
+def _stop_heartbeat(own: Ownership) -> None:
+    if own.lease is not None:
+        heartbeat.stop(own.lease)
+
+
+def _hold_heartbeat(own: Ownership) -> None:
+    if own.lease is not None:
+        heartbeat.hold(own.lease)
+
+
+def _resume_heartbeat(own: Ownership) -> None:
+    if own.lease is not None and not own.settled:
+        heartbeat.resume(own.lease)
 
 
 def _lease_lost(own: Ownership, action: str) -> None:

@@ -27,6 +27,8 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
+from . import process
+
 if TYPE_CHECKING:
     from .wakeup import WakeupHub
 
@@ -47,6 +49,10 @@ _HEARTBEAT = "flask-idempotency-heartbeat"
 
 class ListenerLost(Exception):
     """The subscription stopped answering; the listener reconnects."""
+
+
+class _Idle(Exception):
+    """Every app this listener served is gone: the thread ends and closes its connection."""
 
 
 class WakeupListener:
@@ -77,6 +83,8 @@ class WakeupListener:
         self.subscriptions = 0
         #: Wake-up messages received and dispatched.
         self.messages = 0
+        #: Called by the thread when it ends (the registry forgets it).
+        self.on_exit: Callable[[], None] | None = None
 
     # -- request threads -----------------------------------------------------------
 
@@ -88,8 +96,10 @@ class WakeupListener:
         callers never wait (they poll until the listener is back).
         """
         with self._lock:
+            if self._stopping.is_set():
+                return False  # ended (idle or stopped): the next park gets a new listener
             self._hubs.add(hub)
-            if self._thread is None and not self._stopping.is_set():
+            if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="flask-idempotency-wakeups", daemon=True
                 )
@@ -136,6 +146,8 @@ class WakeupListener:
                 pubsub = self._connect().pubsub(ignore_subscribe_messages=False)
                 pubsub.subscribe(self.channel)
                 self._read_until_lost(pubsub)
+            except _Idle:
+                self._stopping.set()
             except Exception as exc:
                 new_outage = self._confirmed.is_set() or not outage_logged
                 if new_outage and not self._stopping.is_set():
@@ -154,15 +166,20 @@ class WakeupListener:
                 self._wake_all()  # messages may be lost from now on: everyone re-checks
             if was_live:
                 backoff = BACKOFF_FIRST
-            if self._stopping.wait(backoff):
+            if self._stopping.wait(backoff) or self._idle():
                 break
             backoff = min(backoff * 2, BACKOFF_CAP)
+        self._stopping.set()
+        if self.on_exit is not None:
+            self.on_exit()
 
     def _read_until_lost(self, pubsub: Any) -> None:
         """Dispatch messages until the connection fails, goes quiet, or we stop."""
         started = last_heard = time.monotonic()
         ping_sent_at: float | None = None
         while not self._stopping.is_set():
+            if self._idle():
+                raise _Idle
             message = pubsub.get_message(timeout=READ_TICK)
             now = time.monotonic()
             if message is not None:
@@ -209,51 +226,35 @@ class WakeupListener:
         for hub in self._hub_list():
             hub.wake_all()
 
+    def _idle(self) -> bool:
+        """No app uses this listener any more (the registry holds hubs weakly, 9.8)."""
+        with self._lock:
+            if self._hubs:
+                return False
+            self._stopping.set()  # under the lock: ensure() cannot add a hub to a dying thread
+            return True
+
     def _hub_list(self) -> list[WakeupHub]:
         with self._lock:
             return list(self._hubs)
 
 
-# -- one listener per process ------------------------------------------------------
-
-_listeners: dict[Hashable, WakeupListener] = {}
-_registry_lock = threading.Lock()
+# -- one listener per process (the registry lives in process.py) --------------------
 
 
 def listener_for(key: Hashable, create: Callable[[], WakeupListener]) -> WakeupListener:
     """This process's listener for ``key`` (a Redis and channel), created on first need."""
-    with _registry_lock:
-        listener = _listeners.get(key)
-        if listener is None or not listener.usable:
-            listener = _listeners[key] = create()
-        return listener
+    return process.listener_for(key, create)
 
 
 def stop_all(timeout: float = 5.0) -> None:
     """Stop every listener of this process (tests; graceful shutdown)."""
-    with _registry_lock:
-        listeners = list(_listeners.values())
-        _listeners.clear()
-    for listener in listeners:
-        listener.stop(timeout)
+    process.stop_listeners(timeout)
 
 
 def running_listeners() -> list[WakeupListener]:
     """The listeners this process has started and not stopped."""
-    with _registry_lock:
-        return [listener for listener in _listeners.values() if listener.usable]
-
-
-def _forget_after_fork() -> None:
-    """In a forked child: drop the parent's listeners; each starts afresh on first need."""
-    global _registry_lock
-    _registry_lock = threading.Lock()  # the parent may have held it while forking
-    for listener in _listeners.values():
-        listener.abandon()
-    _listeners.clear()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
+    return process.running_listeners()
 
 
 def _close_quietly(pubsub: Any) -> None:

@@ -3,8 +3,13 @@
 They are Werkzeug ``HTTPException`` subclasses that also derive from the
 matching Werkzeug class (``BadRequest``, ``Conflict``, …), so an application can
 still catch them with ``@app.errorhandler(409)``, by Werkzeug class, or by ours.
-None of them is ever
-stored under a key (C18).
+None of them is ever stored under a key (C18).
+
+The base class has no status code of its own (``code = None``): Flask files a
+handler under its class's code and looks a raised exception up under the
+exception's code and then under "no code", so only a code-less base makes
+``@app.errorhandler(IdempotencyProblem)`` see the 409, 422 and 503 as well as
+the 400s. Each concrete problem sets its code.
 """
 
 from __future__ import annotations
@@ -28,13 +33,15 @@ PROBLEM_MIMETYPE = "application/problem+json"
 
 
 class IdempotencyProblem(HTTPException):
-    """Base of every error the idempotency layer answers with."""
+    """Base of every error the idempotency layer answers with; handle it to see all five."""
 
-    code: int = 400
+    code: int | None = None  # see the module docstring: a code here would hide 409/422/503
     problem_code: ClassVar[str] = "idempotency-error"
     title: ClassVar[str] = "Idempotency error"
 
     def __init__(self, detail: str, *, retry_after: float | None = None) -> None:
+        if self.code is None:
+            raise TypeError("Raise a concrete problem (MissingKey, KeyReused, …), not the base.")
         super().__init__(description=detail)
         self.detail = detail
         self.retry_after = retry_after

@@ -1,12 +1,19 @@
 """The Redis tier: a cache of completed records and the cross-process wake-up channel.
 
+Two small parts on one Redis connection: :class:`RedisCache` (completed records)
+and :class:`RedisNotifier` (wake-ups), sharing one :class:`Outage`.
+
 Redis is never the source of truth (C22). It holds only completed records, under
-``{prefix}:{<digest>}`` where the digest is SHA-256 of (scope, key), so neither the
-raw key nor the scope ever reaches Redis (C30, R69), and each copy expires at the
-durable record's own absolute expiry (``PXAT``), so a replay from Redis never
-outlives the record. Absence and in-progress state are never cached: a miss
-always falls through to the durable store. Completion promotes the record and
-publishes ``{"k": <digest>, "e": "done"}`` on ``{prefix}:done`` in one round trip.
+``{prefix}:{origin}:{<digest>}``: the digest is SHA-256 of (scope, key), so neither
+the raw key nor the scope ever reaches Redis (C30, R69); the origin is a digest of
+the store (database URL without password, and table), so two services sharing one
+Redis and prefix never see each other's records or wake-ups (C41). Each cached
+value also names its origin and is checked on read. A copy expires after the time
+the durable record has left by the *database's* clock (``PX``, C42): neither the
+app host's clock nor Redis's has to agree with it. Absence and in-progress state
+are never cached: a miss always falls through to the durable store. Completion
+promotes the record, then publishes ``{"k": <digest>, "e": "done"}`` on
+``{prefix}:{origin}:done``.
 
 Losing Redis changes latency, not outcomes (C24). Commands run with short socket
 timeouts and no retries; the first failure marks the tier down for a back-off
@@ -18,6 +25,7 @@ outage is logged once as a warning, its end once, and ``store_error`` with
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -27,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from flask import current_app, has_app_context, has_request_context, request
 
-from . import signals
+from . import process, signals
 from .listener import WakeupListener, listener_for
 from .records import Completed
 
@@ -98,75 +106,94 @@ class Outage:
             return ended
 
 
-class RedisTier:
-    """:class:`~flask_idempotency.cache.ResponseCache` and
-    :class:`~flask_idempotency.wakeup.CrossProcessChannel` on one Redis."""
+def store_origin(url: Any, table: str) -> str:
+    """A short, stable name for one durable store: its database (no password) and table.
+
+    Two apps on the same database and table are the same store and share records, as
+    they should (two workers, two hosts); anything else never does (C41).
+    """
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url).set(password=None)
+    text = f"{parsed.render_as_string(hide_password=False)}|{table}"
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+class _Origin:
+    """The store's name, resolved on first need (``db=``/``engine=`` resolve lazily)."""
+
+    def __init__(self, origin: str | Callable[[], str]) -> None:
+        self._fixed = origin if isinstance(origin, str) else None
+        self._resolve = None if isinstance(origin, str) else origin
+
+    def get(self) -> str:
+        if self._fixed is None:
+            assert self._resolve is not None
+            self._fixed = self._resolve()
+        return self._fixed
+
+
+def _names_prefix(prefix: str, origin: str) -> str:
+    return f"{prefix}:{origin}" if origin else prefix
+
+
+class RedisCache:
+    """:class:`~flask_idempotency.cache.ResponseCache` on Redis (single node, Sentinel, Cluster).
+
+    Only single-key commands, each on a hash-tagged key: the same code runs on a
+    cluster, where a record's key lives in its digest's slot.
+    """
 
     def __init__(
         self,
         client: Any,
         *,
         prefix: str = "idem",
-        listener_key: Hashable | None = None,
-        listener_connect: Callable[[], Any] | None = None,
-        first_wait: float = 0.5,
+        origin: str | Callable[[], str] = "",
+        outage: Outage | None = None,
     ) -> None:
         self._client = client
         self.prefix = prefix
-        self.channel = f"{prefix}:{CHANNEL_SUFFIX}"
-        self.outage = Outage()
-        connect = listener_connect or (lambda: client)
-        # Keyed by the client object itself, not id(client): the registry then holds it,
-        # so a later client can never reuse its id and be handed this listener.
-        self._listener_key = (listener_key or ("client", client), self.channel)
-        self._new_listener = lambda: WakeupListener(connect, self.channel, first_wait=first_wait)
+        self._origin = _Origin(origin)
+        self.outage = outage or Outage()
+        self._foreign_logged = False
 
-    @classmethod
-    def from_settings(cls, settings: Settings, client: Any = None) -> RedisTier:
-        """The tier for an app: from a ready ``client`` (e.g. fakeredis) or the URL."""
-        timeout = settings.redis_socket_timeout
-        first_wait = min(1.0, max(0.25, 5 * timeout))
-        if client is not None:
-            return cls(client, prefix=settings.redis_prefix, first_wait=first_wait)
-        url = settings.redis_url
-        assert url, "RedisTier needs IDEMPOTENCY_REDIS_URL or a client"
-        command_client = _client_from_url(url, socket_timeout=timeout, connect_timeout=timeout)
-        subscriber: list[Any] = []
-
-        def subscriber_client() -> Any:
-            # Built in the listener thread on first need; a blocking read must not be
-            # cut short by the command timeout, so it gets its own, longer one.
-            if not subscriber:
-                subscriber.append(
-                    _client_from_url(url, socket_timeout=10.0, connect_timeout=max(1.0, timeout))
-                )
-            return subscriber[0]
-
-        return cls(
-            command_client,
-            prefix=settings.redis_prefix,
-            listener_key=("url", url),
-            listener_connect=subscriber_client,
-            first_wait=first_wait,
-        )
-
-    # -- names ---------------------------------------------------------------------
+    @property
+    def origin(self) -> str:
+        return self._origin.get()
 
     def record_name(self, key_digest: str) -> str:
         """The Redis key of a completed record: the digest only, in a hash tag (R70)."""
-        return f"{self.prefix}:{{{key_digest}}}"
+        return f"{_names_prefix(self.prefix, self.origin)}:{{{key_digest}}}"
 
-    @staticmethod
-    def wakeup_payload(key_digest: str, event: str) -> str:
-        return json.dumps({"k": key_digest, "e": event}, separators=(",", ":"))
+    def _encode(self, record: Completed) -> bytes:
+        return self.origin.encode("ascii") + b"\n" + record.to_json()
 
-    # -- ResponseCache -------------------------------------------------------------
+    def _decode(self, raw: bytes | str, key_digest: str) -> Completed | None:
+        if isinstance(raw, str):
+            raw = raw.encode("utf-8")
+        origin, sep, body = raw.partition(b"\n")
+        if not sep:
+            return None  # an older format, or not ours: a miss
+        if origin != self.origin.encode("ascii"):
+            if not self._foreign_logged:
+                self._foreign_logged = True
+                log.warning(
+                    "idempotency: a cached record under %s was written by another store"
+                    " (origin %s, not %s); ignored. Do two services share one Redis prefix?",
+                    key_digest[:16],
+                    origin[:16].decode("ascii", "replace"),
+                    self.origin,
+                )
+            return None
+        return Completed.from_json(body)
 
     def get(self, key_digest: str) -> Completed | None:
         if not self.outage.allows():
             return None
         try:
-            raw = self._client.get(self.record_name(key_digest))
+            name = self.record_name(key_digest)
+            raw = self._client.get(name)
         except Exception as exc:
             self._failed(exc, "get", key_digest)
             return None
@@ -174,7 +201,7 @@ class RedisTier:
         if raw is None:
             return None
         try:
-            record = Completed.from_json(raw)
+            record = self._decode(raw, key_digest)
         except Exception:
             record = None
         if record is None:
@@ -182,17 +209,21 @@ class RedisTier:
             log.debug("idempotency: ignored an unreadable cached record %s", key_digest[:16])
         return record
 
-    def promote(self, key_digest: str, record: Completed, *, publish: bool) -> None:
-        cacheable = record.expires_at_ms > int(time.time() * 1000)
-        if not (cacheable or publish) or not self.outage.allows():
+    def probe(self, key_digest: str) -> Completed | None:
+        """One read that ignores the back-off: the database is down, and a cached record
+        could still answer a replay (15.6). Never raises; does not start an outage."""
+        try:
+            raw = self._client.get(self.record_name(key_digest))
+        except Exception:
+            return None
+        self._succeeded()
+        return None if raw is None else self._decode(raw, key_digest)
+
+    def promote(self, key_digest: str, record: Completed, ttl_ms: int) -> None:
+        if ttl_ms <= 0 or not self.outage.allows():
             return
         try:
-            pipe = self._client.pipeline(transaction=False)
-            if cacheable:
-                pipe.set(self.record_name(key_digest), record.to_json(), pxat=record.expires_at_ms)
-            if publish:
-                pipe.publish(self.channel, self.wakeup_payload(key_digest, "done"))
-            pipe.execute()
+            self._client.set(self.record_name(key_digest), self._encode(record), px=ttl_ms)
         except Exception as exc:
             self._failed(exc, "promote", key_digest)
             return
@@ -208,7 +239,57 @@ class RedisTier:
             return
         self._succeeded()
 
-    # -- CrossProcessChannel ---------------------------------------------------------
+    def ping(self) -> bool:
+        """Whether Redis answers now (respects the outage back-off); for health checks."""
+        if not self.outage.allows():
+            return False
+        try:
+            self._client.ping()
+        except Exception as exc:
+            self._failed(exc, "ping", None)
+            return False
+        self._succeeded()
+        return True
+
+    def _failed(self, exc: BaseException, action: str, key_digest: str | None) -> None:
+        _report_failure(self.outage, exc, action, key_digest)
+
+    def _succeeded(self) -> None:
+        _report_success(self.outage)
+
+
+class RedisNotifier:
+    """:class:`~flask_idempotency.wakeup.CrossProcessChannel` on Redis pub/sub."""
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = "idem",
+        origin: str | Callable[[], str] = "",
+        outage: Outage | None = None,
+        listener_key: Hashable | None = None,
+        listener_connect: Callable[[], Any] | None = None,
+        first_wait: float = 0.5,
+    ) -> None:
+        self._client = client
+        self.prefix = prefix
+        self._origin = _Origin(origin)
+        self.outage = outage or Outage()
+        self._connect = listener_connect or (lambda: client)
+        # Keyed by the client object itself, not id(client): a later client can never
+        # reuse its id and be handed this listener. The registry forgets the listener
+        # (and so the client) when the last app using it is gone (9.8).
+        self._listener_base = listener_key or ("client", client)
+        self._first_wait = first_wait
+
+    @property
+    def channel(self) -> str:
+        return f"{_names_prefix(self.prefix, self._origin.get())}:{CHANNEL_SUFFIX}"
+
+    @staticmethod
+    def wakeup_payload(key_digest: str, event: str) -> str:
+        return json.dumps({"k": key_digest, "e": event}, separators=(",", ":"))
 
     def ensure_listening(self, hub: WakeupHub) -> bool:
         try:
@@ -223,60 +304,224 @@ class RedisTier:
         try:
             self._client.publish(self.channel, self.wakeup_payload(key_digest, event))
         except Exception as exc:
-            self._failed(exc, "publish", key_digest)
+            _report_failure(self.outage, exc, "publish", key_digest)
             return
-        self._succeeded()
-
-    # -- operations ----------------------------------------------------------------
+        _report_success(self.outage)
 
     @property
     def listener(self) -> WakeupListener:
         """This process's subscriber for this Redis and channel."""
-        return listener_for(self._listener_key, self._new_listener)
-
-    def ping(self) -> bool:
-        """Whether Redis answers now (respects the outage back-off); for health checks."""
-        if not self.outage.allows():
-            return False
-        try:
-            self._client.ping()
-        except Exception as exc:
-            self._failed(exc, "ping", None)
-            return False
-        self._succeeded()
-        return True
+        channel = self.channel
+        connect, first_wait = self._connect, self._first_wait
+        return listener_for(
+            (self._listener_base, channel),
+            lambda: WakeupListener(connect, channel, first_wait=first_wait),
+        )
 
     def close(self) -> None:
         """Stop this process's listener for this Redis (tests, shutdown)."""
         self.listener.stop()
 
-    # -- outage bookkeeping --------------------------------------------------------
 
-    def _failed(self, exc: BaseException, action: str, key_digest: str | None) -> None:
-        if not self.outage.failed():
-            return
-        log.warning(
-            "idempotency: Redis unavailable (%s: %s); serving from the database and"
-            " polling for wake-ups until it is back",
-            type(exc).__name__,
-            exc,
+class RedisTier:
+    """A cache and a notifier on one Redis client: the pair the extension builds."""
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = "idem",
+        origin: str | Callable[[], str] = "",
+        listener_key: Hashable | None = None,
+        listener_connect: Callable[[], Any] | None = None,
+        first_wait: float = 0.5,
+    ) -> None:
+        self.outage = Outage()
+        self.cache = RedisCache(client, prefix=prefix, origin=origin, outage=self.outage)
+        self.notifier = RedisNotifier(
+            client,
+            prefix=prefix,
+            origin=origin,
+            outage=self.outage,
+            listener_key=listener_key,
+            listener_connect=listener_connect,
+            first_wait=first_wait,
         )
-        if signals.store_error.receivers:
-            signals.send(
-                signals.store_error,
-                current_app._get_current_object() if has_app_context() else None,  # type: ignore[attr-defined]
-                key_digest=key_digest,
-                scope=None,
-                route=request.endpoint if has_request_context() else None,
-                duration=0.0,
-                tier="cache",
-                error=f"{type(exc).__name__}: {exc}",
-                action=action,
+
+    # The pair's calls, for tools and tests that hold a tier rather than an app.
+    def get(self, key_digest: str) -> Completed | None:
+        return self.cache.get(key_digest)
+
+    def promote(self, key_digest: str, record: Completed, ttl_ms: int) -> None:
+        self.cache.promote(key_digest, record, ttl_ms)
+
+    def discard(self, key_digest: str) -> None:
+        self.cache.discard(key_digest)
+
+    def record_name(self, key_digest: str) -> str:
+        return self.cache.record_name(key_digest)
+
+    def ping(self) -> bool:
+        return self.cache.ping()
+
+    @property
+    def channel(self) -> str:
+        return self.notifier.channel
+
+    @property
+    def listener(self) -> WakeupListener:
+        return self.notifier.listener
+
+    def ensure_listening(self, hub: WakeupHub) -> bool:
+        return self.notifier.ensure_listening(hub)
+
+    def publish(self, key_digest: str, event: str) -> None:
+        self.notifier.publish(key_digest, event)
+
+    def close(self) -> None:
+        self.notifier.close()
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, client: Any = None, origin: str | Callable[[], str] = ""
+    ) -> RedisTier:
+        """The tier for an app: from a given ``client`` or the URL, never waiting on Redis
+        longer than ``IDEMPOTENCY_REDIS_SOCKET_TIMEOUT`` (C24)."""
+        timeout = settings.redis_socket_timeout
+        first_wait = min(1.0, max(0.25, 5 * timeout))
+        if client is not None:
+            # Commands get the bounded client; the listener keeps the given one (its
+            # reads are bounded by its own ticks and heartbeat, in its own thread).
+            bounded = bounded_client(client, socket_timeout=timeout, connect_timeout=timeout)
+            return cls(
+                bounded,
+                prefix=settings.redis_prefix,
+                origin=origin,
+                listener_key=("client", client),
+                listener_connect=lambda: client,
+                first_wait=first_wait,
+            )
+        url = settings.redis_url
+        assert url, "RedisTier needs IDEMPOTENCY_REDIS_URL or a client"
+        # One command client per URL and timeout in this process, shared by its apps (9.8).
+        command_client = process.shared(
+            ("redis-commands", url, timeout),
+            lambda: _client_from_url(url, socket_timeout=timeout, connect_timeout=timeout),
+        )
+
+        def subscriber_client() -> Any:
+            # Built in the listener thread on first need; a blocking read must not be
+            # cut short by the command timeout, so it gets its own, longer one.
+            return process.shared(
+                ("redis-subscriber", url),
+                lambda: _client_from_url(
+                    url, socket_timeout=10.0, connect_timeout=max(1.0, timeout)
+                ),
             )
 
-    def _succeeded(self) -> None:
-        if self.outage.succeeded():
-            log.info("idempotency: Redis is reachable again; cache and wake-ups resumed")
+        return cls(
+            command_client,
+            prefix=settings.redis_prefix,
+            origin=origin,
+            listener_key=("url", url),
+            listener_connect=subscriber_client,
+            first_wait=first_wait,
+        )
+
+
+# -- outage bookkeeping (shared by the cache and the notifier) ------------------------
+
+
+def _report_failure(
+    outage: Outage, exc: BaseException, action: str, key_digest: str | None
+) -> None:
+    if not outage.failed():
+        return
+    log.warning(
+        "idempotency: Redis unavailable (%s: %s); serving from the database and"
+        " polling for wake-ups until it is back",
+        type(exc).__name__,
+        exc,
+    )
+    if signals.store_error.receivers:
+        signals.send(
+            signals.store_error,
+            current_app._get_current_object() if has_app_context() else None,  # type: ignore[attr-defined]
+            key_digest=key_digest,
+            scope=None,
+            route=request.endpoint if has_request_context() else None,
+            duration=0.0,
+            tier="cache",
+            error=f"{type(exc).__name__}: {exc}",
+            action=action,
+        )
+
+
+def _report_success(outage: Outage) -> None:
+    if outage.succeeded():
+        log.info("idempotency: Redis is reachable again; cache and wake-ups resumed")
+
+
+#: Connection settings that belong to the given pool and must not be copied to ours.
+_NOT_COPIED = frozenset(
+    {
+        "socket_timeout",
+        "socket_connect_timeout",
+        "retry",
+        "retry_on_timeout",
+        "retry_on_error",
+        "maint_notifications_pool_handler",
+    }
+)
+
+
+def bounded_client(client: Any, *, socket_timeout: float, connect_timeout: float) -> Any:
+    """A client on the same server as ``client`` whose every command gives up after
+    ``socket_timeout`` (C24, 9.2), built from the given client's pool settings.
+
+    A client whose settings cannot be read is refused at start-up: a Redis that
+    accepts connections and never answers would otherwise hang every request.
+    """
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if pool is None or not isinstance(kwargs, dict):
+        raise ValueError(
+            "Idempotency(redis=...) needs a redis-py client (redis.Redis or"
+            f" redis.RedisCluster); got {type(client).__name__}."
+        )
+    settings = {
+        name: value
+        for name, value in kwargs.items()
+        if name not in _NOT_COPIED and not name.startswith("orig_")
+    }
+    settings.update(
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=connect_timeout,
+        retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+    )
+    pool_class = type(pool)
+    extra: dict[str, Any] = {}
+    if hasattr(pool, "service_name") and hasattr(pool, "sentinel_manager"):
+        extra = {"service_name": pool.service_name, "sentinel_manager": pool.sentinel_manager}
+    try:
+        new_pool = pool_class(
+            connection_class=pool.connection_class,
+            max_connections=getattr(pool, "max_connections", None) or 2**31,
+            **extra,
+            **settings,
+        )
+    except TypeError as exc:
+        raise ValueError(
+            f"Idempotency(redis=...): cannot derive a client with bounded timeouts from"
+            f" {type(client).__name__} ({exc}); pass IDEMPOTENCY_REDIS_URL instead."
+        ) from None
+    derived = redis.Redis(connection_pool=new_pool)
+    derived.auto_close_connection_pool = True  # closing (or collecting) it closes its sockets
+    return derived
 
 
 def _client_from_url(url: str, *, socket_timeout: float, connect_timeout: float) -> Any:

@@ -60,3 +60,11 @@ claim_released = _signals.signal("idempotency-claim-released")
 response_stored = _signals.signal("idempotency-response-stored")
 #: A store failed. Extra: ``tier`` (``"database"`` or ``"cache"``), ``error``, ``action``.
 store_error = _signals.signal("idempotency-store-error")
+#: Transactional mode: a serialization failure or deadlock rolled the view back and it runs
+#: again under the same claim (C43). Extra: ``attempt`` (the one that failed), ``sqlstate``.
+transaction_retried = _signals.signal("idempotency-transaction-retried")
+#: A running owner's lease could not be renewed (C44); sent from the renewal thread.
+#: Extra: ``reason``: ``"taken-over"`` (the record is no longer this owner's),
+#: ``"store-unavailable"`` (renewals failed until the lease ran out) or
+#: ``"max-runtime"`` (renewals stopped at ``IDEMPOTENCY_MAX_RUNTIME``).
+lease_renewal_failed = _signals.signal("idempotency-lease-renewal-failed")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -60,6 +59,14 @@ class StoreError(Exception):
     """The durable store could not answer; the request gets 503 (C25, C26)."""
 
 
+class StoreMisconfigured(StoreError):
+    """The records table is missing or does not match the code: a deployment error (C45).
+
+    Not an outage: waiting does not fix it, and failing open for it would run
+    every protected view unprotected. The message says what to run.
+    """
+
+
 class DurableStore:
     """SQLAlchemy Core access to the records table, on PostgreSQL or SQLite."""
 
@@ -70,12 +77,15 @@ class DurableStore:
         metadata: MetaData | None = None,
         table_name: str = "idempotency_keys",
         create_table: bool = False,
+        async_claim: bool = False,
     ) -> None:
         self._engine_factory = engine_factory
         self.table: Table = idempotency_table(metadata or MetaData(), table_name)
         self._create_table = create_table
+        #: Commit the claim without waiting for the WAL flush (``IDEMPOTENCY_ASYNC_CLAIM``).
+        self.async_claim = async_claim
+        self._verified = False
         self._engines: tuple[Engine, Engine] | None = None
-        self._lock = threading.Lock()
         # The two statements of every claim and replay, built once: building a
         # construct per request cost more CPU than executing it (bench/run.py).
         self._claim_stmt: Any = None
@@ -99,15 +109,17 @@ class DurableStore:
         return self._resolve()[1]
 
     def _resolve(self) -> tuple[Engine, Engine]:
+        """The engines, set up on first use. No lock is held across the create-table
+        I/O: a lock made in ``init_app`` predates gevent's patching under ``--preload``
+        and would stall the whole worker (issue 10). Racing first requests may each run
+        the (idempotent) create; each uses the engine only after its own create returned."""
         engines = self._engines
         if engines is None:
-            with self._lock:
-                if self._engines is None:
-                    engine = self._engine_factory()
-                    if self._create_table:
-                        self._create_if_missing(engine)
-                    self._engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"))
-                engines = self._engines
+            engine = self._engine_factory()
+            if self._create_table:
+                self._create_if_missing(engine)
+            engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"))
+            self._engines = engines
         return engines
 
     def _create_if_missing(self, engine: Engine) -> None:
@@ -132,6 +144,14 @@ class DurableStore:
         """Create the table if it is missing (tests, and the embedded SQLite default)."""
         self.table.create(self.engine, checkfirst=True)
 
+    def verify_table(self) -> None:
+        """Read every column once per process before the first claim, so that a missing
+        or mismatched table stops requests before any view runs (C45), not at completion."""
+        t = self.table
+        probe = select(*t.c).where(t.c.id.is_(None)).limit(1)
+        self._run(lambda conn: conn.execute(probe).first())
+        self._verified = True
+
     # -- the claim ------------------------------------------------------------------
 
     def acquire(
@@ -149,10 +169,16 @@ class DurableStore:
         would queue behind that commit; guarded, it gives up after a moment and
         reads the record instead, so the duplicate parks or answers 409.
         """
+        if not self._verified:
+            self.verify_table()
         ttl_ms, lease_ms = int(ttl * 1000), int(lease * 1000)
         record: Record | None = None
+        # One token for every attempt of this call: when a write's COMMIT reached the
+        # server but its reply was lost, the retry reads a row that carries this token
+        # and knows the claim is its own (no waiting for itself, C8).
+        token = uuid.uuid4().hex
+        how = "new"
         for _ in range(_ATTEMPTS):
-            token = uuid.uuid4().hex
 
             def claim_or_read(conn: Connection, token: str = token) -> Claim | Record | None:
                 # One transaction for both: at READ COMMITTED the SELECT takes a fresh
@@ -171,11 +197,15 @@ class DurableStore:
             record = outcome
             if record is None:
                 continue  # released or pruned between the two statements: claim again
+            if record.state == IN_PROGRESS and record.lock_token == token:
+                return Claim(record.id, token, record.expires_at_ms, how)  # our lost reply
             if record.expired:
+                how = "replaced"
                 claim = self._replace_expired(record, ident, token, ttl_ms, lease_ms)
             elif record.fingerprint != ident.fingerprint or record.state == COMPLETED:
                 return record
             elif not record.lease_live:
+                how = "taken_over"
                 claim = self._take_over(record, token, lease_ms)
             else:
                 return record
@@ -198,27 +228,28 @@ class DurableStore:
             "p_ttl_ms": ttl_ms,
             "p_lease_ms": lease_ms,
         }
-        quick = self._asynchronous_claim_sql(conn)
+        quick = self._asynchronous_claim_sql(conn) if self.async_claim else None
         if quick is not None:
             sql, defaults = quick
             row = conn.exec_driver_sql(sql, {**defaults, **params}).first()
         else:
+            if self.async_claim and conn.dialect.name == "postgresql":
+                conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
             row = conn.execute(self._claim_statement(), params).first()
         return None if row is None else Claim(row.id, token, row.expires_at_ms, "new")
 
     def _asynchronous_claim_sql(self, conn: Connection) -> tuple[str, dict[str, Any]] | None:
-        """On PostgreSQL with psycopg2, the claim INSERT committed without waiting for its
-        WAL flush, in one round trip; ``None`` elsewhere.
+        """With ``IDEMPOTENCY_ASYNC_CLAIM`` on PostgreSQL with psycopg2: ``SET LOCAL
+        synchronous_commit = off`` and the claim INSERT in one round trip; ``None`` elsewhere.
 
-        The claim excludes concurrent requests as soon as it commits, flushed or not, so
-        C8 does not depend on the flush. Its durability follows from the next synchronous
-        commit on the server (WAL is flushed in order), such as the view's own write or
-        the completion, which stays synchronous. A PostgreSQL crash can lose a claim no
-        commit followed; the retry then runs the view, as it would after that claim's
-        lease lapsed. What it saves is one fsync wait on every first execution.
+        Opt-in, because it trades durability for one fsync wait per first execution:
+        the claim excludes concurrent requests as soon as it commits, but a PostgreSQL
+        crash or failover before the WAL flush loses it while its owner may still be
+        running, and a retry then runs the view concurrently with that owner. The
+        default (synchronous) claim survives a crash once the client has been told.
 
-        psycopg2 sends a statement string as one simple query, which PostgreSQL runs as
-        one implicit transaction: ``SET LOCAL`` applies to the INSERT after it.
+        psycopg2 sends both statements in one simple query inside the transaction it
+        opened, so ``SET LOCAL`` applies to the INSERT and to that transaction's COMMIT.
         """
         if conn.dialect.name != "postgresql" or conn.dialect.driver != "psycopg2":
             return None
@@ -373,8 +404,25 @@ class DurableStore:
             "p_body": response.body,
             "p_body_omitted": response.body_omitted,
         }
-        row = self._run(lambda c: c.execute(stmt, params).first())
-        return None if row is None else int(row.expires_at_ms)
+        t = self.table
+        applied = select(t.c.expires_at_ms).where(
+            t.c.id == claim.record_id,
+            t.c.lock_token == claim.lock_token,
+            t.c.state == COMPLETED,
+        )
+        attempts = 0
+
+        def complete_own(conn: Connection) -> int | None:
+            nonlocal attempts
+            attempts += 1
+            row = conn.execute(stmt, params).first()
+            if row is None and attempts > 1:
+                # An earlier attempt's COMMIT may have reached the server with its reply
+                # lost: the completed row still carries our token (C14).
+                row = conn.execute(applied).first()
+            return None if row is None else int(row.expires_at_ms)
+
+        return self._run(complete_own)
 
     def completion_statement(self, claim: Claim, response: StoredResponse) -> Any:
         """The fenced UPDATE that completes a record, returning its expiry.
@@ -395,10 +443,13 @@ class DurableStore:
     def _completion(
         self, record_id: Any, lock_token: Any, status: Any, headers: Any, body: Any, omitted: Any
     ) -> Any:
+        # The completed row keeps its owner's token, so that a completion whose COMMIT
+        # reply was lost recognises its own write when retried (C14); a completed
+        # record itself is never written again.
         t = self.table
         return (
             update(t)
-            .where(t.c.id == record_id, t.c.lock_token == lock_token)
+            .where(t.c.id == record_id, t.c.lock_token == lock_token, t.c.state == IN_PROGRESS)
             .values(
                 state=COMPLETED,
                 response_status=status,
@@ -406,17 +457,75 @@ class DurableStore:
                 response_body=body,
                 body_omitted=omitted,
                 completed_at_ms=db_now_ms(),
-                lock_token=None,
                 lease_expires_at_ms=None,
             )
             .returning(t.c.expires_at_ms)
         )
 
     def release(self, claim: Claim) -> bool:
-        """Delete the owner's record so a retry runs anew; ``False`` if the lease was lost (C20)."""
+        """Delete the owner's record so a retry runs anew; ``False`` if the lease was lost (C20).
+
+        A retry after a lost connection that finds the row gone counts as released:
+        the earlier attempt's COMMIT reached the server and only its reply was lost
+        (another owner could only have deleted it after taking over a lapsed lease,
+        and the wake-up that follows is a mere hint).
+        """
         t = self.table
-        stmt = delete(t).where(t.c.id == claim.record_id, t.c.lock_token == claim.lock_token)
-        return bool(self._run(lambda c: c.execute(stmt).rowcount))
+        stmt = delete(t).where(
+            t.c.id == claim.record_id,
+            t.c.lock_token == claim.lock_token,
+            t.c.state == IN_PROGRESS,
+        )
+        exists = select(t.c.id).where(t.c.id == claim.record_id)
+        attempts = 0
+
+        def delete_own(conn: Connection) -> bool:
+            nonlocal attempts
+            attempts += 1
+            if conn.execute(stmt).rowcount:
+                return True
+            return attempts > 1 and conn.execute(exists).first() is None
+
+        return self._run(delete_own)
+
+    def renew(self, claims: list[Claim], lease: float, *, engine: Engine | None = None) -> set[int]:
+        """Extend the leases of ``claims`` to ``lease`` seconds from now (C44).
+
+        Fenced like every owner's write: a record renews only while it is still in
+        progress under the claim's lock token. Returns the ids of the records
+        renewed; a claim missing from it was taken over or released. All in one
+        short transaction, on ``engine`` if given (the heartbeat's own pool, so
+        views holding every pooled connection cannot starve it); a row another
+        transaction holds locked (a completion about to commit) makes the call
+        fail with :class:`StoreError` after a moment instead of waiting, and the
+        heartbeat tries again.
+        """
+        t = self.table
+        stmt = (
+            update(t)
+            .where(
+                t.c.id == bindparam("p_record_id", type_=t.c.id.type),
+                t.c.lock_token == bindparam("p_lock_token", type_=t.c.lock_token.type),
+                t.c.state == IN_PROGRESS,
+            )
+            .values(lease_expires_at_ms=db_now_ms() + int(lease * 1000))
+        )
+
+        def renew_all(conn: Connection) -> set[int]:
+            renewed: set[int] = set()
+            for claim in claims:
+                params = {"p_record_id": claim.record_id, "p_lock_token": claim.lock_token}
+                if conn.execute(stmt, params).rowcount:
+                    renewed.add(claim.record_id)
+            return renewed
+
+        try:
+            with (engine or self.engine).begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    conn.execute(text("SET LOCAL lock_timeout = '500ms'"))
+                return renew_all(conn)
+        except SQLAlchemyError as exc:
+            raise StoreError(_describe(exc)) from exc
 
     # -- running statements --------------------------------------------------------------
 
@@ -432,6 +541,8 @@ class DurableStore:
                 with self.engine.begin() as conn:
                     return work(conn)
             except DBAPIError as exc:
+                if _is_schema_error(exc):
+                    raise StoreMisconfigured(self._schema_help(exc)) from exc
                 retryable = _sqlstate(exc) in _RETRYABLE_SQLSTATES or (
                     exc.connection_invalidated and attempt == 0
                 )
@@ -441,6 +552,14 @@ class DurableStore:
             except SQLAlchemyError as exc:
                 raise StoreError(_describe(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _schema_help(self, exc: BaseException) -> str:
+        return (
+            f"the table {self.table.fullname!r} is missing or does not match Flask-Idempotency"
+            f" ({_describe(exc)}). This is a deployment error, not an outage: run"
+            " `flask db upgrade` (Flask-Migrate), or `flask idempotency create-table`,"
+            " or `db.create_all()`; `flask idempotency check` compares the table"
+        )
 
 
 def _to_record(row: Any) -> Record:
@@ -477,6 +596,22 @@ def _optional_int(value: Any) -> int | None:
 def _sqlstate(exc: BaseException | None) -> str | None:
     orig = getattr(exc, "orig", exc)
     return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+
+
+#: SQLSTATEs / messages of "no such table" and "no such column" (C45).
+_SCHEMA_SQLSTATES = frozenset({"42P01", "42703", "42S02", "42S22"})
+_SCHEMA_MYSQL_ERRNOS = frozenset({1146, 1054})
+_SCHEMA_MESSAGES = ("no such table", "no such column", "has no column named")
+
+
+def _is_schema_error(exc: DBAPIError) -> bool:
+    if _sqlstate(exc) in _SCHEMA_SQLSTATES:
+        return True
+    args = getattr(exc.orig, "args", ())
+    if args and isinstance(args[0], int) and args[0] in _SCHEMA_MYSQL_ERRNOS:
+        return True
+    message = str(exc.orig).lower()
+    return any(m in message for m in _SCHEMA_MESSAGES)
 
 
 def _describe(exc: BaseException) -> str:

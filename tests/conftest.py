@@ -63,6 +63,31 @@ def pg_url() -> Iterator[URL]:
         admin.dispose()
 
 
+#: PostgreSQL drivers the store is tested on: psycopg2 and psycopg 3.
+PG_DRIVERS = ("psycopg2", "psycopg")
+
+
+def driver_url(url: URL, driver: str) -> URL:
+    """``url`` with its driver replaced; fails (CI) or skips when the driver is missing."""
+    module = "psycopg2" if driver == "psycopg2" else "psycopg"
+    try:
+        __import__(module)
+    except ImportError as exc:
+        service_missing(f"the {driver} driver", str(exc))
+    return url.set(drivername=f"postgresql+{driver}")
+
+
+@pytest.fixture(scope="session", params=PG_DRIVERS, ids=("psycopg2", "psycopg3"))
+def pg_driver_url(request: pytest.FixtureRequest, pg_url: URL) -> URL:
+    """This session's database through each driver in turn.
+
+    The store and lifecycle tests (``make_pg_app``) run on both drivers; the slow
+    multi-process tests keep ``pg_url`` (one driver) and tests/deploy runs the
+    gunicorn matrix on both.
+    """
+    return driver_url(pg_url, str(request.param))
+
+
 @pytest.fixture
 def pg_table() -> str:
     """A table name of this test's own, so tests never share records."""
@@ -103,13 +128,16 @@ def make_app(tmp_path: Any) -> Iterator[AppFactory]:
 
 
 @pytest.fixture
-def make_pg_app(make_app: AppFactory, pg_url: URL, pg_table: str) -> Iterator[AppFactory]:
-    """Like ``make_app``, on this session's PostgreSQL database and this test's table."""
+def make_pg_app(make_app: AppFactory, pg_driver_url: URL, pg_table: str) -> Iterator[AppFactory]:
+    """Like ``make_app``, on this session's PostgreSQL database and this test's table.
+
+    Parametrized by driver (``pg_driver_url``): each test runs on psycopg2 and psycopg 3.
+    """
     created: list[Any] = []
 
     def factory(config: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Flask, Idempotency]:
         merged = {
-            "IDEMPOTENCY_DATABASE_URI": pg_url.render_as_string(hide_password=False),
+            "IDEMPOTENCY_DATABASE_URI": pg_driver_url.render_as_string(hide_password=False),
             "IDEMPOTENCY_TABLE": pg_table,
         }
         merged.update(config or {})
@@ -144,5 +172,5 @@ def redis_server_binary() -> str:
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
-        if "pg_url" in fixtures:
+        if "pg_url" in fixtures or "pg_driver_url" in fixtures:
             item.add_marker(pytest.mark.postgres)

@@ -684,3 +684,18 @@ def test_c28_forget_drops_the_redis_copy_too(make_pg_app: Any) -> None:
         for name in probe.scan_iter(match=f"{prefix}*"):
             probe.delete(name)
         probe.close()
+
+
+def test_i9_12_c45_create_table_under_db_says_what_to_run_instead(tmp_path: Path) -> None:
+    """C29/C45: with db= the table belongs to the app's migrations; the refusal names them,
+    and the alternatives for an app without Flask-Migrate."""
+    from flask_sqlalchemy import SQLAlchemy
+
+    app = Flask("cli_db_app")
+    app.config["SQLALCHEMY_DATABASE_URI"] = f"sqlite:///{tmp_path}/app.sqlite3"
+    db = SQLAlchemy(app)
+    Idempotency(app, db=db)
+    result = app.test_cli_runner().invoke(args=["idempotency", "create-table"])
+    assert result.exit_code == 1, result.output
+    for fix in ("flask db migrate", "flask db upgrade", "db.create_all()", "create-table --sql"):
+        assert fix in result.output

@@ -34,6 +34,8 @@ ENV_VARS = (
     "IDEMPOTENCY_DATABASE_URI",
     "REDIS_URL",
     "IDEMPOTENCY_REDIS_URL",
+    "FLASK_IDEMPOTENCY_REDIS_URL",
+    "FLASK_SQLALCHEMY_DATABASE_URI",
     "GATEWAY_LATENCY",
 )
 CHARGE = {"amount_cents": 1999, "currency": "EUR", "description": "Order 1001"}
@@ -388,7 +390,7 @@ def test_environment_selects_database_redis_and_latency(
 ) -> None:
     """DATABASE_URL (Heroku spelling too), REDIS_URL and GATEWAY_LATENCY reach the config."""
     monkeypatch.setenv("DATABASE_URL", "postgres://user@db.invalid:5432/pay")
-    monkeypatch.setenv("IDEMPOTENCY_REDIS_URL", "redis://cache.invalid:6379/0")
+    monkeypatch.setenv("REDIS_URL", "redis://cache.invalid:6379/0")
     monkeypatch.setenv("GATEWAY_LATENCY", "1.5")
     config = payments_app._env_config()
     assert config["SQLALCHEMY_DATABASE_URI"] == "postgresql+psycopg2://user@db.invalid:5432/pay"

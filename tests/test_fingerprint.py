@@ -313,26 +313,47 @@ def multipart_body(boundary: str, content: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("size", [10, 3 * 1024 * 1024])
-def test_x18_view_sees_the_raw_bytes_of_forms(make_app, size: int) -> None:
-    """A webhook verifying a signature over the raw form body still can (X18)."""
-    app, _ = make_app()
+def test_x18_i9_9_raw_bytes_of_forms_via_a_hook_before_the_layer(tmp_path, size: int) -> None:
+    """X18/C31: a form is parsed once and its raw bytes are not kept on top (issue 9.9).
+
+    A webhook that verifies a signature over the raw form body caches it in a
+    ``before_request`` hook registered before ``init_app``, as it would without
+    the layer; it then sees the exact bytes and the fields, and a retry replays.
+    """
+    from flask import Flask
+
+    from flask_idempotency import Idempotency
+
+    app = Flask("raw_forms", instance_path=str(tmp_path))
+    app.config["IDEMPOTENCY_DATABASE_URI"] = f"sqlite:///{tmp_path}/idem.sqlite3"
+
+    @app.before_request
+    def keep_raw_body():
+        request.get_data(cache=True)
+
+    Idempotency(app)
+    with app.app_context():
+        app.extensions["idempotency"].store.create_table()
     seen: list[tuple] = []
 
     @app.post("/hook")
     @idempotent
     def hook():
-        raw = request.get_data()  # first: what a signature check does
+        raw = request.get_data()  # what a signature check does
         seen.append((hashlib.sha256(raw).hexdigest(), dict(request.form), list(request.files)))
         return "ok"
 
     client = app.test_client()
     form = b"a=1&b=" + b"x" * size + b"&c=%C3%BC"
-    client.post(
-        "/hook",
-        data=form,
-        content_type="application/x-www-form-urlencoded",
-        headers={"Idempotency-Key": "form"},
-    )
+    for _ in range(2):
+        answer = client.post(
+            "/hook",
+            data=form,
+            content_type="application/x-www-form-urlencoded",
+            headers={"Idempotency-Key": "form"},
+        )
+    assert answer.headers.get("Idempotent-Replayed") == "true"
+    assert len(seen) == 1
     assert seen[-1][0] == hashlib.sha256(form).hexdigest()
     assert seen[-1][1] == {"a": "1", "b": "x" * size, "c": "ü"}
     body = multipart_body("b0undary", os.urandom(size))
@@ -344,6 +365,28 @@ def test_x18_view_sees_the_raw_bytes_of_forms(make_app, size: int) -> None:
     )
     assert seen[-1][0] == hashlib.sha256(body).hexdigest()
     assert seen[-1][1] == {"note": "hi"} and seen[-1][2] == ["upload"]
+
+
+def test_x18_i9_9_without_such_a_hook_the_view_gets_the_parsed_form(make_app) -> None:
+    """C31: the layer parsed the form as Flask would; the view reads fields and files."""
+    app, _ = make_app()
+    seen: list[tuple] = []
+
+    @app.post("/form")
+    @idempotent
+    def form_view():
+        files = {k: f.read() for k, f in request.files.items()}
+        seen.append((dict(request.form), files))
+        return "ok"
+
+    content = os.urandom(3 * 1024 * 1024)
+    app.test_client().post(
+        "/form",
+        data=multipart_body("b0undary", content),
+        content_type="multipart/form-data; boundary=b0undary",
+        headers={"Idempotency-Key": "k"},
+    )
+    assert seen == [({"note": "hi"}, {"upload": content})]
 
 
 def test_c6_multipart_boundary_does_not_matter(make_app) -> None:

@@ -1,9 +1,9 @@
 """Parsing the Idempotency-Key header (C2, C3; spec.md R6–R9 and the vectors of §7).
 
 The library's documented choice in strict mode: a value that does not start with
-``"`` is treated as absent (RFC 9651 §4.2), but a value that starts with ``"`` and
-is malformed is ``InvalidKey`` in both modes, so a client that clearly meant to
-send a key is told it is broken instead of silently running unprotected.
+``"`` is ``InvalidKey`` naming the quoted form (issue 9 item 7). RFC 9651 §4.2 would
+have the invalid field ignored, but an ignored key runs the view unprotected, and a
+retry runs it again; a client that sent a key is told instead that it is broken.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ INVALID = object()
 
 SPEC_VECTORS = [
     pytest.param(f'"{UUID}"', UUID, UUID, id="1-quoted-uuid"),
-    pytest.param(UUID, UUID, None, id="2-bare-uuid"),
-    pytest.param("KG5LxwFBepaKHyUD", "KG5LxwFBepaKHyUD", None, id="3-bare-token"),
+    pytest.param(UUID, UUID, INVALID, id="2-bare-uuid"),
+    pytest.param("KG5LxwFBepaKHyUD", "KG5LxwFBepaKHyUD", INVALID, id="3-bare-token"),
     pytest.param('"abc";v=1', "abc", "abc", id="4-parameter-ignored"),
     pytest.param('"a\\"b"', 'a"b', 'a"b', id="5-escaped-quote"),
     pytest.param('"a\\\\b"', "a\\b", "a\\b", id="6-escaped-backslash"),
@@ -37,8 +37,8 @@ SPEC_VECTORS = [
     pytest.param('"a b"', "a b", "a b", id="14-space"),
     pytest.param('"' + "a" * 255 + '"', "a" * 255, "a" * 255, id="15-255-chars"),
     pytest.param('"' + "a" * 256 + '"', INVALID, INVALID, id="16-256-chars"),
-    pytest.param("a,b", INVALID, None, id="17-comma"),
-    pytest.param("a;b", INVALID, None, id="18-semicolon"),
+    pytest.param("a,b", INVALID, INVALID, id="17-comma"),
+    pytest.param("a;b", INVALID, INVALID, id="18-semicolon"),
 ]
 
 
@@ -288,16 +288,17 @@ def test_c3_bare_key_with_forbidden_char_rejected(char: str) -> None:
 
 
 @pytest.mark.parametrize("char", ["\\", ",", ";", " ", "\u00e9"])
-def test_c3_strict_bare_value_is_absent(char: str) -> None:
-    """Strict mode: anything not starting with ``"`` is not a String, hence absent."""
-    assert parse_key([f"ab{char}cd"], strict=True) is None
+def test_c3_i9_7_strict_bare_value_is_invalid(char: str) -> None:
+    """C3, strict mode: anything not starting with ``"`` is not a String, hence invalid."""
+    with pytest.raises(InvalidKey):
+        parse_key([f"ab{char}cd"], strict=True)
 
 
 @pytest.mark.parametrize("value", ["", "   ", "\t"])
 def test_c3_empty_value(value: str) -> None:
-    with pytest.raises(InvalidKey):
-        parse_key([value])
-    assert parse_key([value], strict=True) is None
+    for strict in (False, True):
+        with pytest.raises(InvalidKey, match="empty"):
+            parse_key([value], strict=strict)
 
 
 def test_c2_bare_and_quoted_are_the_same_key() -> None:
@@ -368,7 +369,7 @@ def test_c3_two_header_lines_through_the_app(counted_app) -> None:
     assert calls == []
 
 
-def test_c4_strict_mode_bare_key_is_missing_when_required(make_app) -> None:
+def test_c3_i9_7_strict_mode_bare_key_is_invalid_when_required(make_app) -> None:
     app, _ = make_app({"IDEMPOTENCY_STRICT_HEADER": True, "IDEMPOTENCY_REQUIRED": True})
     calls: list[int] = []
 
@@ -381,7 +382,10 @@ def test_c4_strict_mode_bare_key_is_missing_when_required(make_app) -> None:
     client = app.test_client()
     bare = client.post("/pay", headers={"Idempotency-Key": UUID})
     assert bare.status_code == 400
-    assert bare.json["code"] == "missing-key"
+    assert bare.json["code"] == "invalid-key"
+    missing = client.post("/pay")
+    assert missing.status_code == 400
+    assert missing.json["code"] == "missing-key"
     broken = client.post("/pay", headers={"Idempotency-Key": '"abc'})
     assert broken.status_code == 400
     assert broken.json["code"] == "invalid-key"
@@ -436,7 +440,123 @@ def test_c2_httpwg_string_cases(field: str, expected: object, strict: bool) -> N
 
 
 def test_c2_single_quoted_string() -> None:
-    """httpwg "single quoted string" is not an sf-string: absent in strict mode, while
+    """httpwg "single quoted string" is not an sf-string: invalid in strict mode, while
     the lenient mode reads ``'foo'`` as a bare key (quotes included)."""
-    assert parse_key(["'foo'"], strict=True) is None
+    with pytest.raises(InvalidKey, match='"key"'):
+        parse_key(["'foo'"], strict=True)
     assert parse_key(["'foo'"]) == "'foo'"
+
+
+# -- issue 9 item 7 and issue 14 item 4: strict mode and messages that are true -----------
+
+
+@pytest.mark.parametrize("field", [UUID, "KG5LxwFBepaKHyUD", "abc"])
+def test_i9_7_c2_c3_strict_mode_refuses_a_bare_key_naming_the_quoted_form(field: str) -> None:
+    """C2/C3: with IDEMPOTENCY_STRICT_HEADER a bare key is invalid, never "absent"."""
+    with pytest.raises(InvalidKey, match='"key"'):
+        parse_key([field], strict=True)
+
+
+@pytest.mark.parametrize("char", ["\u00fc", "\u20ac", "\x7f", "\x01", "\u00e9"])
+def test_i14_4_c3_non_ascii_bare_key_is_not_told_that_quoting_helps(char: str) -> None:
+    """C3: quoting does not let non-ASCII through, so the bare-key message must not say so."""
+    with pytest.raises(InvalidKey) as bare:
+        parse_key([f"f{char}r"])
+    with pytest.raises(InvalidKey) as quoted:
+        parse_key([f'"f{char}r"'])
+    for exc in (bare.value, quoted.value):
+        message = str(exc)
+        assert "ASCII" in message
+        assert "quote" not in message.lower(), message
+
+
+@pytest.mark.parametrize("char", [" ", '"', "\\", ";"])
+def test_i14_4_c2_bare_key_told_to_quote_only_what_quoting_allows(char: str) -> None:
+    """C2: what the bare-key message says to quote really parses once quoted."""
+    with pytest.raises(InvalidKey, match="quoted") as info:
+        parse_key([f"a{char}b"])
+    assert "sent more than once" not in str(info.value)
+    escaped = "\\" + char if char in '"\\' else char
+    assert parse_key([f'"a{escaped}b"']) == f"a{char}b"
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "a,b",  # gunicorn and Werkzeug's server join two lines with ","
+        "a, b",  # Werkzeug's test client joins with ", "
+        '"a","b"',
+        '"a", "b"',
+        '"a";x=1, "b"',
+        'a, "b"',
+    ],
+)
+def test_i14_4_c3_two_header_lines_joined_by_the_server_are_sent_twice(
+    field: str, strict: bool
+) -> None:
+    """C3: a WSGI server joins repeated lines with commas; the message names both causes."""
+    with pytest.raises(InvalidKey, match="more than once") as info:
+        parse_key([field], strict=strict)
+    assert "comma" in str(info.value)
+
+
+def test_i14_4_c2_a_comma_inside_a_quoted_key_is_one_key() -> None:
+    """C2: the list check looks only outside quoted strings."""
+    assert parse_key(['"a, b"']) == "a, b"
+    assert parse_key(['"a\\", b"'], strict=True) == 'a", b'
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [("Idempotency-Key", "a"), ("Idempotency-Key", "b")],
+        [("Idempotency-Key", '"a"'), ("Idempotency-Key", '"b"')],
+        [("Idempotency-Key", "a"), ("idempotency-key", "a")],
+    ],
+)
+def test_i14_4_c3_two_header_lines_answer_sent_twice(make_app, headers) -> None:
+    """C3: two key header lines on a request: 400 invalid-key saying it was sent twice."""
+    app, _ = make_app({"TESTING": False})
+    calls: list[str] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        calls.append("pay")
+        return jsonify(ok=True), 201
+
+    response = app.test_client().post("/pay", headers=headers)
+    assert response.status_code == 400
+    assert response.json["code"] == "invalid-key"
+    assert "more than once" in response.json["detail"]
+    assert calls == []
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_i9_7_c2_c3_strict_header_bare_key_is_400_and_the_view_never_runs(
+    make_app, required: bool
+) -> None:
+    """C2/C3: strict mode, bare key, optional or required key: 400 invalid-key, no run."""
+    app, _ = make_app({"TESTING": False, "IDEMPOTENCY_STRICT_HEADER": True})
+    calls: list[str] = []
+
+    @app.post("/pay")
+    @idempotent(required=required)
+    def pay():
+        calls.append("pay")
+        return jsonify(ok=True), 201
+
+    client = app.test_client()
+    for _ in range(2):
+        response = client.post("/pay", json={"amount": 1}, headers={"Idempotency-Key": UUID})
+        assert response.status_code == 400, response.data
+        assert response.mimetype == "application/problem+json"
+        assert response.json["code"] == "invalid-key"
+        assert '"key"' in response.json["detail"]
+    assert calls == []
+    quoted = client.post("/pay", json={"amount": 1}, headers={"Idempotency-Key": f'"{UUID}"'})
+    again = client.post("/pay", json={"amount": 1}, headers={"Idempotency-Key": f'"{UUID}"'})
+    assert quoted.status_code == again.status_code == 201
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert calls == ["pay"]

@@ -213,7 +213,9 @@ def test_c13_pg_one_of_many_racing_threads_takes_over_a_lapsed_lease(make_pg_app
 
 
 def test_c14_pg_slow_owner_cannot_overwrite_the_takers_record(make_pg_app) -> None:
-    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": 0})
+    app, _ = make_pg_app(
+        {"IDEMPOTENCY_WAIT": 0, "IDEMPOTENCY_HEARTBEAT": False}
+    )  # overruns its lease
     calls: list[str] = []
     lost = record_signal(app, signals.lease_lost)
     entered, release = parking_view(app, calls, lease=0.5, ttl=3600)
@@ -244,7 +246,9 @@ def test_c14_pg_slow_owner_cannot_overwrite_the_takers_record(make_pg_app) -> No
 
 def test_c14_pg_slow_owner_cannot_release_the_takers_claim(make_pg_app) -> None:
     """The slow owner fails (5xx) after losing its lease: its fenced release deletes nothing."""
-    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": 0})
+    app, _ = make_pg_app(
+        {"IDEMPOTENCY_WAIT": 0, "IDEMPOTENCY_HEARTBEAT": False}
+    )  # overruns its lease
     calls: list[str] = []
     lost = record_signal(app, signals.lease_lost)
     entered, release = parking_view(app, calls, first_status=503, lease=0.5, ttl=3600)

@@ -82,7 +82,8 @@ def test_c2_parameters_never_change_the_key(text: str, params: list[tuple[str, A
 def test_c2_bare_keys_parse_to_themselves_and_equal_their_quoted_form(key: str) -> None:
     assert parse_key([key]) == key
     assert parse_key([sf_string(key)]) == key
-    assert parse_key([key], strict=True) is None  # strict mode reads only sf-strings
+    with pytest.raises(InvalidKey, match='"key"'):  # strict mode reads only sf-strings (i9.7)
+        parse_key([key], strict=True)
 
 
 @PROPERTY_SETTINGS
@@ -423,13 +424,20 @@ def test_c8_c14_c20_store_follows_the_model(store_engine, operations) -> None:
             elif claims:
                 claim_key, claim = claims[pick % len(claims)]
                 current = model.records.get(claim_key)
-                is_owner = current is not None and current[2] == claim.lock_token
+                # Only an in-progress record is owned; a completed one keeps its last owner's
+                # token (so a completion whose COMMIT reply was lost knows itself) but no
+                # token writes to it again.
+                is_owner = (
+                    current is not None
+                    and current[0] == "in_progress"
+                    and current[2] == claim.lock_token
+                )
                 if op == "complete":
                     body = f"{claim_key}:{claim.lock_token}".encode()
                     result = store.complete(claim, StoredResponse(201, (), body))
                     assert (result is not None) == is_owner
                     if is_owner:
-                        model.records[claim_key] = ("completed", current[1], None)
+                        model.records[claim_key] = ("completed", current[1], claim.lock_token)
                 else:
                     assert store.release(claim) == is_owner
                     if is_owner:

@@ -23,12 +23,13 @@ import requests
 from flask import Flask, jsonify, request
 from sqlalchemy.engine import URL
 
-from flask_idempotency import Idempotency, idempotent, lifecycle, listener, signals
+from flask_idempotency import idempotent, lifecycle, listener, signals
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.wakeup import PollSchedule
 from tests.conftest import redis_server_binary
-from tests.support.gunicorn import GunicornServer, free_port
+from tests.support.gunicorn import GunicornServer
 from tests.support.redis_server import RedisServer
+from tests.support.tcp_proxy import TcpProxy
 from tests.support.waiting import wait_until as _wait_until
 from tests.test_processes import ProcHarness
 
@@ -92,7 +93,13 @@ def attach_view(app: Flask) -> SimpleNamespace:
 
     state = app.extensions["idempotency"]
     return SimpleNamespace(
-        app=app, calls=calls, gate=gate, entered=entered, state=state, tier=state.cache
+        app=app,
+        calls=calls,
+        gate=gate,
+        entered=entered,
+        state=state,
+        tier=state.cache,
+        notifier=state.wakeups.channel,
     )
 
 
@@ -139,7 +146,8 @@ def test_c22_c23_x7_after_flushall_replay_comes_from_postgres_and_is_promoted_ag
     assert first.status_code == 201
     name = env.tier.record_name(digest_of())
     row = env.state.store.get(digest_of())
-    assert inspector.pexpiretime(name) == row.expires_at_ms  # promoted with the record's expiry
+    # promoted for the time the record has left by the database clock (C42)
+    assert row.expires_at_ms - 2000 <= inspector.pexpiretime(name) <= row.expires_at_ms + 5
     with replay_sources(env.app) as sources:
         assert post(env).data == first.data
     assert sources == ["cache"]
@@ -151,14 +159,14 @@ def test_c22_c23_x7_after_flushall_replay_comes_from_postgres_and_is_promoted_ag
     assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
     assert again.data == first.data == third.data
     assert sources == ["database", "cache"]
-    assert inspector.pexpiretime(name) == row.expires_at_ms  # same absolute expiry, not extended
+    assert inspector.pexpiretime(name) <= row.expires_at_ms + 5  # never extended
     assert env.calls == [1]
 
 
 def test_c30_real_redis_holds_no_raw_key(make_pg_app, redis_server, inspector):
     env = build(make_pg_app, redis_server.url, redis_socket_timeout=5)
     subscriber = inspector.pubsub()
-    subscriber.subscribe(env.tier.channel)
+    subscriber.subscribe(env.notifier.channel)
     try:
         ack = subscriber.get_message(timeout=EVENTUALLY)
         assert ack is not None and ack["type"] == "subscribe"
@@ -212,7 +220,11 @@ def test_c24_redis_killed_50_duplicates_still_run_once_and_never_5xx(
     assert len(replayed) == 49
     assert len({a.data for a in answers}) == 1
     assert env.calls == [1, 1]  # the warm-up and this key, once each
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "no scope_loader" not in r.getMessage()
+    ]  # the app's one start-up hint about its missing scope_loader is not about Redis (C46)
     assert len(warnings) == 1 and "Redis unavailable" in warnings[0], warnings
     assert RAW_KEY not in caplog.text
 
@@ -224,8 +236,8 @@ def test_c10_x15_after_a_restart_wakeups_come_back_by_message(
     only through Redis. Without poll ticks, a lost message would end in 409."""
     owner = build(make_pg_app, redis_server.url, redis_socket_timeout=5, wait=20)
     waiter = build(make_pg_app, redis_server.url, redis_socket_timeout=5, wait=20)
-    subscriber = waiter.tier.listener
-    assert waiter.tier.ensure_listening(waiter.state.wakeups) or subscriber.wait_until_live(
+    subscriber = waiter.notifier.listener
+    assert waiter.notifier.ensure_listening(waiter.state.wakeups) or subscriber.wait_until_live(
         EVENTUALLY
     )
     subscribed_before = subscriber.subscriptions
@@ -264,33 +276,43 @@ def test_c10_x15_after_a_restart_wakeups_come_back_by_message(
 
 
 def test_c25_postgres_down_completed_keys_replay_from_redis_new_keys_get_503(
-    make_pg_app, redis_server, pg_table
+    make_app, redis_server, pg_url, pg_table
 ):
-    healthy = build(make_pg_app, redis_server.url, redis_socket_timeout=5)
-    first = post(healthy)
-    assert first.status_code == 201
+    """The same store (same database and table) with its database cut: completed keys
+    still replay from Redis, new ones get 503 (C25, C22). Another database's app never
+    reads these records (C41, tests/test_isolation.py)."""
+    proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
+    try:
+        through_proxy = pg_url.set(host="127.0.0.1", port=proxy.port)
+        env = build(
+            make_app,
+            redis_server.url,
+            redis_socket_timeout=5,
+            database_uri=through_proxy.render_as_string(hide_password=False),
+            table=pg_table,
+        )
+        first = post(env)
+        assert first.status_code == 201
+        proxy.cut()
+        env.state.store.engine.dispose()
+        with replay_sources(env.app) as sources:
+            again = post(env)
+        assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+        assert again.data == first.data and sources == ["cache"]
+        assert post(env, amount=999).status_code == 422  # the cached fingerprint still guards it
 
-    cut_off = Flask("database_unreachable")
-    cut_off.config.update(
-        IDEMPOTENCY_DATABASE_URI=f"postgresql+psycopg2://postgres@127.0.0.1:{free_port()}/gone",
-        IDEMPOTENCY_TABLE=pg_table,
-        IDEMPOTENCY_REDIS_URL=redis_server.url,
-        IDEMPOTENCY_REDIS_SOCKET_TIMEOUT=5,
-    )
-    Idempotency(cut_off)
-    env = attach_view(cut_off)
-    with replay_sources(cut_off) as sources:
-        again = post(env)
-    assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
-    assert again.data == first.data and sources == ["cache"]
-    assert post(env, amount=999).status_code == 422  # the cached fingerprint still guards it
-
-    new = post(env, "a-new-key")
-    assert new.status_code == 503
-    assert new.mimetype == "application/problem+json"
-    assert new.json["code"] == "store-unavailable"
-    assert int(new.headers["Retry-After"]) >= 1
-    assert env.calls == []
+        new = post(env, "a-new-key")
+        assert new.status_code == 503
+        assert new.mimetype == "application/problem+json"
+        assert new.json["code"] == "store-unavailable"
+        assert int(new.headers["Retry-After"]) >= 1
+        assert env.calls == [1]
+    finally:
+        proxy.restore()
+        env.state.store.engine.dispose()
+        env.state.store.table.drop(env.state.store.engine, checkfirst=True)
+        env.state.store.engine.dispose()
+        proxy.stop()
 
 
 # -- cross-process wake-ups under gunicorn ---------------------------------------------

@@ -121,7 +121,7 @@ def test_c9_complete_stores_the_exact_response(store, response: StoredResponse) 
     assert expires == claim.expires_at_ms
     record = store.get(ident().key_digest)
     assert record.state == COMPLETED
-    assert record.lock_token is None
+    assert record.lock_token == claim.lock_token  # kept: a retried completion knows it (9.4)
     assert record.lease_expires_at_ms is None
     assert record.completed_at_ms is not None
     assert record.response == response

@@ -21,7 +21,8 @@ the view returns; with ``ATOMIC=0`` the view commits the payment itself, as
 typical application code does, and the record is completed separately.
 
 Environment (for ``create_app()`` under gunicorn): ``DATABASE_URL``, ``IDEM_TABLE``,
-``IDEM_LEASE``, ``IDEM_WAIT``, ``ATOMIC`` (``1`` or ``0``).
+``IDEM_LEASE``, ``IDEM_WAIT``, ``ATOMIC`` (``1`` or ``0``), ``IDEM_HEARTBEAT`` (``1``
+or ``0``; unset: the default), ``IDEM_ISOLATION``, ``IDEM_SCOPE_READS_SESSION``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from sqlalchemy import (
     Text,
     func,
     insert,
+    text,
     update,
 )
 
@@ -135,12 +137,22 @@ def build_app(
     atomic: bool = True,
     config: dict[str, Any] | None = None,
     session_options: dict[str, Any] | None = None,
+    isolation_level: str | None = None,
+    scope_reads_session: bool = False,
 ) -> AtomicApp:
-    """The payments app; tests add more views to ``.app`` before its first request."""
+    """The payments app; tests add more views to ``.app`` before its first request.
+
+    ``isolation_level`` is the app engine's (``SQLALCHEMY_ENGINE_OPTIONS``);
+    ``scope_reads_session`` registers a scope loader that queries ``db.session``
+    first, as one loading ``current_user`` from the database does (C43).
+    """
     app = Flask(__name__)
+    engine_options: dict[str, Any] = {"pool_size": 5, "max_overflow": 5, "pool_timeout": 10}
+    if isolation_level is not None:
+        engine_options["isolation_level"] = isolation_level
     app.config.update(
         SQLALCHEMY_DATABASE_URI=database_url,
-        SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 5, "max_overflow": 5, "pool_timeout": 10},
+        SQLALCHEMY_ENGINE_OPTIONS=engine_options,
         IDEMPOTENCY_TABLE=records_table,
         IDEMPOTENCY_LEASE=lease,
         IDEMPOTENCY_WAIT=wait,
@@ -149,12 +161,21 @@ def build_app(
     db = SQLAlchemy(app, session_options=session_options or {})
     idempotency = Idempotency(app, db=db)
     payments = payments_table(db.metadata, records_table)
+    if scope_reads_session:
+
+        @idempotency.scope_loader
+        def scope() -> str:
+            # Like loading current_user: the session's transaction (and, at REPEATABLE
+            # READ or SERIALIZABLE, its snapshot) begins here, before the claim.
+            return str(db.session.execute(text("SELECT 'user-1'")).scalar_one())
 
     class Payment(db.Model):  # type: ignore[name-defined,misc]
         __table__ = payments
 
     # The side engine commits every statement on its own, outside the view's transaction.
-    side_engine = create_store_engine(database_url, isolation_level="AUTOCOMMIT", pool_size=2)
+    side_engine = create_store_engine(
+        database_url, isolation_level="AUTOCOMMIT", pool_size=2, pool_pre_ping=True
+    )
     handles = AtomicApp(
         app, db, idempotency, Payment, attempts_table(MetaData(), records_table), side_engine
     )
@@ -195,10 +216,16 @@ def build_app(
 
 def create_app() -> Flask:
     """The gunicorn entry point, configured from the environment."""
+    config = {}
+    if os.environ.get("IDEM_HEARTBEAT"):
+        config["IDEMPOTENCY_HEARTBEAT"] = os.environ["IDEM_HEARTBEAT"] == "1"
     return build_app(
         os.environ["DATABASE_URL"],
         os.environ["IDEM_TABLE"],
         lease=float(os.environ.get("IDEM_LEASE", "60")),
         wait=float(os.environ.get("IDEM_WAIT", "0")),
         atomic=os.environ.get("ATOMIC", "1") == "1",
+        isolation_level=os.environ.get("IDEM_ISOLATION") or None,
+        scope_reads_session=os.environ.get("IDEM_SCOPE_READS_SESSION") == "1",
+        config=config,
     ).app

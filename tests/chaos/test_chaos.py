@@ -23,7 +23,7 @@ import pytest
 
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.records import COMPLETED
-from flask_idempotency.redis_tier import RedisTier
+from flask_idempotency.redis_tier import RedisTier, store_origin
 from tests.support.gunicorn import GunicornServer
 
 from .conftest import EVENTUALLY, Answer, AnswerLog, ChaosRig, send, wait_until
@@ -339,7 +339,7 @@ def test_redis_killed_flushed_restarted_under_load_changes_no_outcome(
     warm = [f"warm-{i}" for i in range(20)]
     for key in warm:
         assert log.add(send(server.url, key, body_for(key))).status == 201
-    tier = RedisTier(rig.inspector)
+    tier = RedisTier(rig.inspector, origin=store_origin(rig.proxied_pg_url, rig.table))
     wait_until(
         lambda: rig.inspector.exists(tier.record_name(digest(warm[-1]))) == 1, "promotion to Redis"
     )
@@ -385,7 +385,9 @@ def assert_redis_back_in_use(
 ) -> None:
     """C23/C24: once Redis is back (after its outage back-off), a replay promotes the
     record again."""
-    name = RedisTier(rig.inspector).record_name(digest(key))
+    name = RedisTier(rig.inspector, origin=store_origin(rig.proxied_pg_url, rig.table)).record_name(
+        digest(key)
+    )
     deadline = time.monotonic() + EVENTUALLY
     while rig.inspector.exists(name) == 0:
         assert time.monotonic() < deadline, "Redis never held a record again after the faults"
@@ -413,7 +415,7 @@ def test_postgres_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
     # A generous Redis timeout: this scenario breaks PostgreSQL, not Redis.
     server = rig.serve(IDEM_WAIT=2, IDEM_LEASE=lease, IDEM_REDIS_TIMEOUT=2.0)
     log = AnswerLog()
-    tier = RedisTier(rig.inspector)
+    tier = RedisTier(rig.inspector, origin=store_origin(rig.proxied_pg_url, rig.table))
     before = [f"before-{i}" for i in range(30)]
     with ThreadPoolExecutor(max_workers=6) as pool:
         first = list(pool.map(lambda k: log.add(send(server.url, k, body_for(k))), before))

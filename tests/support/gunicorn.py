@@ -68,6 +68,7 @@ class GunicornServer:
         preload: bool = False,
         timeout: int = 60,
         health_path: str = "/healthz",
+        extra_args: list[str] | None = None,
     ) -> None:
         self.app = app
         self.env = dict(env or {})
@@ -77,6 +78,7 @@ class GunicornServer:
         self.preload = preload
         self.timeout = timeout
         self.health_path = health_path
+        self.extra_args = list(extra_args or [])
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         # Kept open for the server's lifetime and closed in stop(), so not a `with` block.
@@ -112,6 +114,7 @@ class GunicornServer:
         ]
         if self.preload:
             command.append("--preload")
+        command.extend(self.extra_args)
         command.append(self.app)
         env = {**os.environ, **self.env, "PYTHONPATH": str(REPO_ROOT)}
         self.proc = subprocess.Popen(

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import requests
 from sqlalchemy import Engine, MetaData, Table, select
@@ -37,6 +37,9 @@ from flask_idempotency.records import Record
 from flask_idempotency.store import DurableStore
 from tests.apps.atomicapp import attempts_table, payments_table
 from tests.support.gunicorn import GunicornServer
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; the suite runs on 3.10 too
+    from typing import Self
 
 #: Where a plan aims its kill: the view's stretch it should land in.
 KINDS = ("early", "written", "finishing", "edge")
@@ -96,11 +99,21 @@ class AtomicHarness:
         self.servers: list[GunicornServer] = []
 
     def server(
-        self, *, atomic: bool, lease: float, workers: int = 3, wait: float = 0.0
+        self,
+        *,
+        atomic: bool,
+        lease: float,
+        workers: int = 3,
+        wait: float = 0.0,
+        threads: int = 1,
+        extra_env: dict[str, str] | None = None,
+        worker_class: str | None = None,
     ) -> GunicornServer:
         """Sync workers: one request per process, so a kill hits exactly the request it aims at.
-        Preloaded, so a killed worker is replaced by a fork in milliseconds."""
+        Preloaded, so a killed worker is replaced by a fork in milliseconds. ``threads`` > 1
+        runs gthread workers instead."""
         env = {
+            **(extra_env or {}),
             "DATABASE_URL": self.url,
             "IDEM_TABLE": self.table,
             "IDEM_LEASE": str(lease),
@@ -111,8 +124,8 @@ class AtomicHarness:
             "tests.apps.atomicapp:create_app()",
             env=env,
             workers=workers,
-            threads=1,
-            worker_class="sync",
+            threads=threads,
+            worker_class=worker_class or ("sync" if threads == 1 else "gthread"),
             preload=True,
         )
         self.servers.append(server)

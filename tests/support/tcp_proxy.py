@@ -3,7 +3,10 @@
 ``cut()`` closes every open connection and refuses new ones, which is what an
 application sees when its database host drops off the network; ``stall()`` keeps
 every connection open but forwards nothing (a half-open peer: only a timeout can
-tell); ``restore()`` lets traffic through again.
+tell); ``restore()`` lets traffic through again. ``cut_after_reply_to(marker)``
+forwards the next client message containing ``marker`` (``b"COMMIT"``), lets the
+server answer it, then drops that answer and the connection: the write was
+applied but the client never learns so (a lost COMMIT reply).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ class TcpProxy:
         self._stopped = threading.Event()
         self._stalled = threading.Event()
         self._thread: threading.Thread | None = None
+        self._marker: bytes | None = None
+        self._marker_skip = 0
+        self.cuts_after_reply = 0
 
     def start(self) -> TcpProxy:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -79,11 +85,42 @@ class TcpProxy:
                     if not data:
                         return
                     key.data.sendall(data)
+                    if source is client and self._matches(data):
+                        self._swallow_reply(upstream)
+                        return
         except OSError:
             return
         finally:
             selector.close()
             self._close_pair(client, upstream)
+
+    def _matches(self, data: bytes) -> bool:
+        with self._lock:
+            if self._marker is None or self._marker not in data:
+                return False
+            if self._marker_skip > 0:
+                self._marker_skip -= 1
+                return False
+            self._marker = None
+            self.cuts_after_reply += 1
+            return True
+
+    @staticmethod
+    def _swallow_reply(upstream: socket.socket) -> None:
+        """Wait until the server has answered (so the statement is applied), drop the answer."""
+        upstream.settimeout(5)
+        try:
+            upstream.recv(65536)
+        except OSError:
+            pass
+        time.sleep(0.05)  # the rest of the reply, if it came in pieces, is dropped too
+
+    def cut_after_reply_to(self, marker: bytes, *, skip: int = 0) -> None:
+        """Once: forward the ``skip+1``-th client message containing ``marker``, let the
+        server apply and answer it, then close that connection without passing the answer on."""
+        with self._lock:
+            self._marker = marker
+            self._marker_skip = skip
 
     def _close_pair(self, *sockets: socket.socket) -> None:
         with self._lock:

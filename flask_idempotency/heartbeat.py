@@ -1,0 +1,293 @@
+"""Lease heartbeat: one thread per process renews the lease of every running owner (C44).
+
+A claim holds its key for one lease. Without renewals a view that runs longer
+than that is run a second time by a retry that takes the lapsed lease over.
+While an owner's view runs, its lease is renewed here at about a third of the
+lease, by an UPDATE fenced with its lock token, so a live owner keeps its key
+however long it runs (up to ``IDEMPOTENCY_MAX_RUNTIME``), while a dead one (its
+process killed) stops renewing and loses the key within one lease.
+
+One thread serves every owner of the process, whatever the number of requests:
+each round renews the leases that are due, grouped per store in one short
+transaction. The thread and its condition are made on first use, never at
+import, so a gevent monkey-patch applied before the first request turns them into
+a greenlet and its primitives; a forked child starts with a fresh renewer (the
+parent's thread does not exist there). The thread ends when it has had nothing to
+renew for a while and starts again with the next owner.
+
+A renewal that finds the record no longer under the owner's token, or renewals
+that fail until the lease must have lapsed, are reported through the
+``lease_renewal_failed`` signal (sent from the renewal thread). The owner still
+settles as before: its completion is fenced, so a taken-over owner stores
+nothing, and in transactional mode its writes are rolled back and its client
+gets 409.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.pool import QueuePool
+
+from .records import Claim
+from .store import DurableStore
+
+log = logging.getLogger("flask_idempotency")
+
+#: After a failed renewal, try again this soon (a fraction of the lease, within bounds).
+_RETRY_FRACTION = 0.1
+#: A renewer with nothing to renew for this long ends its thread.
+_IDLE_EXIT = 10.0
+
+TAKEN_OVER = "taken-over"
+STORE_UNAVAILABLE = "store-unavailable"
+MAX_RUNTIME = "max-runtime"
+
+
+class Lease:
+    """One running owner's lease, as the renewer keeps it."""
+
+    def __init__(
+        self,
+        store: DurableStore,
+        claim: Claim,
+        lease: float,
+        max_runtime: float,
+        report: Callable[[str], None],
+    ) -> None:
+        self.store = store
+        self.claim = claim
+        self.lease = lease
+        self.max_runtime = max_runtime
+        self.report = report
+        now = time.monotonic()
+        self.started = now
+        #: Until when the database holds the lease for us, on this process's clock: a
+        #: renewal counts from when it was sent, which is no later than the database's now.
+        self.confirmed_until = now + lease
+        self.next_due = now + lease / 3
+        #: Not renewed meanwhile: a row lock in the owner's own transaction holds the key.
+        self.held = False
+        self.done = False
+        self.in_flight = False
+        #: Why the lease was lost, once it was (``TAKEN_OVER`` or ``STORE_UNAVAILABLE``).
+        self.lost: str | None = None
+        self._reported: set[str] = set()
+        self.renewer: Renewer | None = None
+
+
+class Renewer:
+    """The per-process renewal thread and the leases it serves."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._cond = threading.Condition()
+        self._leases: set[Lease] = set()
+        self._thread: threading.Thread | None = None
+        #: Per store engine, a pool of the renewer's own (used by its thread only).
+        self._engines: dict[int, tuple[Engine, Engine]] = {}
+
+    # -- called by owners ----------------------------------------------------------------
+
+    def add(self, lease: Lease) -> None:
+        with self._cond:
+            self._leases.add(lease)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="idempotency-heartbeat", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def remove(self, lease: Lease) -> None:
+        """Stop renewing ``lease``; returns once no renewal of it is under way."""
+        with self._cond:
+            lease.done = True
+            self._leases.discard(lease)
+            self._wait_idle(lease)
+
+    def hold(self, lease: Lease) -> None:
+        """Pause renewals of ``lease`` (its owner is about to lock or complete its row)."""
+        with self._cond:
+            lease.held = True
+            self._wait_idle(lease)
+
+    def resume(self, lease: Lease) -> None:
+        with self._cond:
+            lease.held = False
+            self._cond.notify_all()
+
+    def _wait_idle(self, lease: Lease) -> None:
+        while lease.in_flight:
+            self._cond.wait(1.0)
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                due = self._next_round()
+                if due is None:
+                    return
+                self._renew(due)
+        except Exception:  # pragma: no cover - a bug here must not pass silently
+            log.exception("idempotency: the lease heartbeat stopped")
+            with self._cond:
+                self._thread = None
+
+    def _next_round(self) -> list[Lease] | None:
+        """Wait for the leases that are due; ``None`` when idle long enough to stop."""
+        with self._cond:
+            idle_since = time.monotonic()
+            while True:
+                now = time.monotonic()
+                active = [lease for lease in self._leases if not lease.held]
+                if not self._leases and now - idle_since >= _IDLE_EXIT:
+                    self._thread = None
+                    self._close_engines()
+                    return None
+                if self._leases:
+                    idle_since = now
+                due = [lease for lease in active if lease.next_due <= now]
+                if due:
+                    for lease in due:
+                        lease.in_flight = True
+                    return due
+                wait = min((lease.next_due - now for lease in active), default=_IDLE_EXIT)
+                self._cond.wait(max(0.001, wait))
+
+    def _renew(self, due: list[Lease]) -> None:
+        reports: list[tuple[Lease, str]] = []
+        now = time.monotonic()
+        stopping = [lease for lease in due if now - lease.started >= lease.max_runtime]
+        groups: dict[tuple[int, float], list[Lease]] = {}
+        for lease in due:
+            if lease not in stopping:
+                groups.setdefault((id(lease.store), lease.lease), []).append(lease)
+        outcomes: dict[Lease, bool | None] = {}
+        for leases in groups.values():
+            sent = time.monotonic()
+            store = leases[0].store
+            try:
+                renewed = store.renew(
+                    [lease.claim for lease in leases], leases[0].lease, engine=self._engine(store)
+                )
+            except Exception as exc:  # StoreError, or a pool that cannot hand out a connection
+                log.debug("idempotency: lease renewal failed: %s", exc)
+                outcomes.update((lease, None) for lease in leases)
+                continue
+            for lease in leases:
+                outcomes[lease] = lease.claim.record_id in renewed
+                if outcomes[lease]:
+                    lease.confirmed_until = sent + lease.lease
+        with self._cond:
+            for lease in stopping:
+                self._leases.discard(lease)
+                reports.append((lease, MAX_RUNTIME))
+            now = time.monotonic()
+            for lease, ok in outcomes.items():
+                if ok:
+                    lease.next_due = now + lease.lease / 3
+                    continue
+                if ok is False and not lease.done:
+                    lease.lost = TAKEN_OVER
+                    self._leases.discard(lease)  # nothing of ours left to renew
+                    reports.append((lease, TAKEN_OVER))
+                    continue
+                lease.next_due = now + max(0.02, min(1.0, lease.lease * _RETRY_FRACTION))
+                if now >= lease.confirmed_until and not lease.done:
+                    lease.lost = lease.lost or STORE_UNAVAILABLE
+                    reports.append((lease, STORE_UNAVAILABLE))
+            for lease in due:
+                lease.in_flight = False
+            self._cond.notify_all()
+        for lease, reason in reports:
+            if reason not in lease._reported and not lease.done:
+                lease._reported.add(reason)
+                lease.report(reason)
+
+    def _engine(self, store: DurableStore) -> Engine:
+        """The store's engine with a pool of the renewer's own.
+
+        In transactional mode each running view holds a pooled connection for its
+        whole duration; with every connection held, a renewal sharing that pool
+        would wait for one until the leases it should renew had lapsed. The copy
+        keeps the original pool's connect function, arguments and events.
+        """
+        engine = store.engine
+        if not isinstance(engine.pool, QueuePool):
+            return engine  # SQLite's pools: nothing to starve, and a copy may be another database
+        held = self._engines.get(id(engine))
+        if held is None or held[0] is not engine:
+            own = create_engine(engine.url, pool=engine.pool.recreate())
+            held = self._engines[id(engine)] = (engine, own)
+        return held[1]
+
+    def _close_engines(self) -> None:
+        engines, self._engines = self._engines, {}
+        for _, own in engines.values():
+            own.dispose()
+
+
+_renewer: Renewer | None = None
+#: Renewers a forked child inherited: kept referenced, never used, so that collecting
+#: them never closes a connection the parent still uses.
+_inherited: list[Renewer] = []
+
+
+def renewer() -> Renewer:
+    """This process's renewer, made on first use and afresh in a forked child."""
+    global _renewer
+    current = _renewer
+    if current is None or current.pid != os.getpid():
+        if current is not None:
+            _inherited.append(current)
+        current = _renewer = Renewer()
+    return current
+
+
+def reset_after_fork() -> None:
+    """Forget the parent's renewer in a forked child: its thread does not exist there."""
+    global _renewer
+    if _renewer is not None:
+        _inherited.append(_renewer)
+    _renewer = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=reset_after_fork)
+
+
+def start(
+    store: DurableStore,
+    claim: Claim,
+    lease: float,
+    max_runtime: float,
+    report: Callable[[str], None],
+) -> Lease:
+    """Renew ``claim``'s lease from now on, until :func:`stop`."""
+    entry = Lease(store, claim, lease, max_runtime, report)
+    entry.renewer = renewer()
+    entry.renewer.add(entry)
+    return entry
+
+
+def _of(lease: Lease) -> Renewer:
+    return lease.renewer if lease.renewer is not None else renewer()
+
+
+def stop(lease: Lease) -> None:
+    _of(lease).remove(lease)
+
+
+def hold(lease: Lease) -> None:
+    _of(lease).hold(lease)
+
+
+def resume(lease: Lease) -> None:
+    _of(lease).resume(lease)

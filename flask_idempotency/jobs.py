@@ -1,0 +1,417 @@
+"""``idempotency.once(key)``: a request's guarantees for work outside a request (CONTRACT C50).
+
+Queue consumers, webhook handlers and scheduled jobs see the same message twice
+(at-least-once delivery, a redelivery after a crashed consumer, a retried
+task). ``once`` runs the work once per key and hands every duplicate the stored
+result, on the same table and Redis tier as the request path and through the
+same store calls: the claim is the atomic upsert, a crashed consumer's claim
+lapses after its lease and is taken over by one conditional UPDATE, every later
+write of the owner is fenced by its lock token, and a duplicate that arrives
+while the work runs parks until the owner finishes.
+
+    with idempotency.once(f"invoice-mail:{invoice.id}") as run:
+        if run.owned:
+            send_mail(invoice)
+            run.result = {"sent": True}
+    print(run.result)
+
+    @idempotency.once(lambda invoice_id: f"invoice-mail:{invoice_id}")
+    def send_invoice_mail(invoice_id: int) -> dict: ...
+
+The result must be JSON-serialisable: it is stored like a response body. An
+exception in the work releases the claim, so the next delivery runs it again.
+With ``atomic=True`` and ``Idempotency(db=db)``, the work's writes through
+``db.session`` commit in one transaction with the record (as C40): a consumer
+killed at any instant leaves both or neither.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from flask import current_app
+
+from . import atomic, signals
+from .fingerprint import _digest, key_digest
+from .records import IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
+from .store import StoreError
+from .wakeup import PollSchedule, TooManyWaiters
+
+if TYPE_CHECKING:
+    from .extension import AppState, Idempotency
+
+log = logging.getLogger("flask_idempotency")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The ``method`` column of a record written by ``once`` (requests hold HTTP methods).
+JOB_METHOD = "ONCE"
+_JSON = "application/json"
+
+
+class OnceError(Exception):
+    """Base of the errors ``once`` raises instead of running the work."""
+
+
+class JobInProgress(OnceError):
+    """Another consumer runs this key now and did not finish within ``wait``: retry later."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class JobKeyReused(OnceError):
+    """The key was already used for other work (another name or payload): a caller bug (C7)."""
+
+
+class JobLeaseLost(OnceError):
+    """Atomic work outlived its lease and another consumer took the key over; this run's
+    writes were rolled back (C14). The new owner's result stands."""
+
+
+class Run:
+    """One pass through ``once``: either the owner (``owned``) or a duplicate with ``result``."""
+
+    def __init__(self, ident: Identity) -> None:
+        self.ident = ident
+        #: True when this caller must do the work; set :attr:`result` before leaving the block.
+        self.owned = False
+        #: The work's result: what the owner set, or what a duplicate got from the store.
+        self.result: Any = None
+        #: The stored result was too large to keep (``IDEMPOTENCY_MAX_BODY_BYTES``, C33).
+        self.result_omitted = False
+        #: Where a duplicate's result came from: ``"cache"`` or ``"database"``.
+        self.source: str | None = None
+        self._claim: Claim | None = None
+        self._state: AppState | None = None
+        self._atomic = False
+        #: Atomic work's transaction, begun after the claim (C40, C43).
+        self._unit: atomic.Unit | None = None
+        self._started = time.perf_counter()
+
+    @property
+    def key_digest(self) -> str:
+        """Digest of (scope, key): a downstream idempotency key for this work (C30)."""
+        return self.ident.key_digest
+
+
+class Once:
+    """Context manager and decorator returned by :meth:`Idempotency.once`."""
+
+    def __init__(
+        self,
+        extension: Idempotency,
+        key: str | Callable[..., Any],
+        *,
+        scope: str = "jobs",
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        payload: Any = None,
+        name: str | None = None,
+        atomic: bool = False,
+    ) -> None:
+        if not callable(key) and (not isinstance(key, str) or not key):
+            raise ValueError("once() needs a non-empty key, or a function of the job's arguments.")
+        if not isinstance(scope, str) or not scope:
+            raise ValueError("once(scope=...) must be a non-empty string.")
+        self._extension = extension
+        self._key = key
+        self._scope = scope
+        self._ttl = ttl
+        self._lease = lease
+        self._wait = wait
+        self._payload = payload
+        self._name = name
+        self._atomic = atomic
+        #: Open ``with`` blocks, per thread: one ``Once`` may be shared by several threads.
+        self._local = threading.local()
+
+    # -- context manager -------------------------------------------------------------
+
+    def __enter__(self) -> Run:
+        if callable(self._key):
+            raise TypeError("once(key=<function>) is a decorator; give a string key to `with`.")
+        run = self._begin(self._key, self._name or "once", self._payload)
+        self._open_runs().append(run)
+        return run
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        run = self._open_runs().pop()
+        if not run.owned:
+            return
+        if exc is not None:
+            self._release(run, "exception")
+            return
+        self._complete(run)
+
+    def _open_runs(self) -> list[Run]:
+        runs: list[Run] | None = getattr(self._local, "runs", None)
+        if runs is None:
+            runs = self._local.runs = []
+        return runs
+
+    # -- decorator -------------------------------------------------------------------
+
+    def __call__(self, func: F) -> F:
+        name = self._name or f"{func.__module__}.{func.__qualname__}"
+        signature = inspect.signature(func)
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            key = self._key_for(signature, args, kwargs)
+            run = self._begin(key, name, self._payload)
+            if not run.owned:
+                return run.result
+            try:
+                run.result = func(*args, **kwargs)
+            except BaseException:
+                self._release(run, "exception")
+                raise
+            self._complete(run)
+            return run.result
+
+        return wrapper  # type: ignore[return-value]
+
+    def _key_for(self, signature: inspect.Signature, args: Any, kwargs: Any) -> str:
+        if callable(self._key):
+            key = self._key(*args, **kwargs)
+        else:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            key = self._key.format(**bound.arguments) if "{" in self._key else self._key
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"once(): the key function returned {key!r}, not a non-empty string.")
+        return key
+
+    # -- the lifecycle -----------------------------------------------------------------
+
+    def _begin(self, key: str, name: str, payload: Any) -> Run:
+        state = self._extension.state
+        settings = state.settings
+        ttl = settings.ttl if self._ttl is None else float(self._ttl)
+        lease = settings.lease if self._lease is None else float(self._lease)
+        wait = settings.wait if self._wait is None else float(self._wait)
+        if not 0 < lease < ttl:
+            raise ValueError("once(): the lease must be positive and shorter than the ttl.")
+        if self._atomic:
+            state.require_db()
+        scope = "job:" + self._scope
+        ident = Identity(
+            scope=scope,
+            key_digest=key_digest(scope, key),
+            fingerprint=job_fingerprint(name, payload),
+            method=JOB_METHOD,
+            path=name,
+        )
+        run = Run(ident)
+        run._state = state
+        run._atomic = self._atomic
+        try:
+            outcome = _look_up(state, run, ttl, lease)
+            if _in_flight(run, outcome) and wait > 0:
+                outcome = _wait_for_owner(state, run, outcome, ttl, lease, wait)  # type: ignore[arg-type]
+        except StoreError as exc:
+            _send(signals.store_error, run, tier="database", error=str(exc), action="claim")
+            raise
+        if isinstance(outcome, Claim):
+            run.owned = True
+            run._claim = outcome
+            if outcome.how == "replaced":
+                state.cache.discard(ident.key_digest)
+            elif outcome.how == "taken_over":
+                _send(signals.lease_taken_over, run)
+            _send(signals.request_executed, run, how=outcome.how)
+            if self._atomic:
+                self._begin_unit(run)
+            return run
+        if outcome.fingerprint != ident.fingerprint:
+            _send(signals.key_mismatch, run)
+            raise JobKeyReused(
+                f"once(): key {ident.key_digest[:16]}… was already used for other work"
+                " (another job name or payload). Use a new key for new work."
+            )
+        if isinstance(outcome, Completed):
+            run.result, run.result_omitted = _decode(outcome.response)
+            _send(signals.request_replayed, run, source=run.source, status=200)
+            return run
+        _send(signals.request_conflict, run)
+        raise JobInProgress(
+            "once(): another consumer is running this key; retry later.",
+            retry_after=max(0.1, outcome.lease_remaining),
+        )
+
+    def _complete(self, run: Run) -> None:
+        state, claim = run._state, run._claim
+        assert state is not None and claim is not None
+        try:
+            body = json.dumps(run.result, separators=(",", ":"), allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            self._release(run, "unserialisable-result")
+            raise TypeError(f"once(): the result must be JSON-serialisable: {exc}") from exc
+        omitted = len(body) > state.settings.max_body_bytes
+        stored = StoredResponse(
+            200, (("Content-Type", _JSON),), b"" if omitted else body, body_omitted=omitted
+        )
+        if run._unit is not None:
+            try:
+                expires_at_ms = run._unit.commit(stored)
+            except atomic.ViewWriteFailed:
+                self._release(run, "exception")
+                raise
+            except atomic.Retryable as exc:  # a serialization failure: the queue retries it
+                self._release(run, "commit-failed")
+                raise StoreError(str(exc)) from exc
+            except StoreError as exc:
+                _send(signals.store_error, run, tier="database", error=str(exc), action="commit")
+                self._release(run, "commit-failed")
+                raise
+            if expires_at_ms is None:
+                _lease_lost(run, "complete")
+                raise JobLeaseLost(
+                    "once(): another consumer took this key over while the work ran;"
+                    " its writes were rolled back."
+                )
+        else:
+            try:
+                expires_at_ms = state.store.complete(claim, stored)
+            except StoreError as exc:
+                # The work is done; the claim lapses after its lease, then a retry may run it
+                # again. Nothing better is possible without atomic=True.
+                log.error(
+                    "idempotency: could not store the result of %s: %s", run.key_digest[:16], exc
+                )
+                _send(signals.store_error, run, tier="database", error=str(exc), action="complete")
+                raise
+            if expires_at_ms is None:
+                _lease_lost(run, "complete")
+                return
+        completed = Completed(run.ident.fingerprint, expires_at_ms, stored)
+        state.announce_completed(run.key_digest, completed)  # C23: after the commit
+        _send(signals.response_stored, run, status=200, body_omitted=omitted)
+
+    def _begin_unit(self, run: Run) -> None:
+        """Begin atomic work's transaction after the claim, so that it sees the claim (C43)."""
+        state, claim = run._state, run._claim
+        assert state is not None and claim is not None
+        run._unit = atomic.Unit(state.require_db(), state.store, claim, None)
+        try:
+            run._unit.begin()
+        except atomic.LeaseLost:
+            run.owned = False
+            _lease_lost(run, "begin")
+            raise JobLeaseLost("once(): the key was taken over before the work began.") from None
+        except (atomic.Retryable, StoreError) as exc:
+            self._release(run, "begin-failed")
+            raise StoreError(str(exc)) from exc
+
+    def _release(self, run: Run, reason: str) -> None:
+        """Give the key back so the next delivery runs the work (C17, C20)."""
+        state, claim = run._state, run._claim
+        assert state is not None and claim is not None
+        run.owned = False
+        if run._unit is not None:
+            run._unit.rollback()  # nothing the work wrote survives a release
+        try:
+            released = state.store.release(claim)
+        except StoreError as exc:
+            log.error("idempotency: could not release %s: %s", run.key_digest[:16], exc)
+            _send(signals.store_error, run, tier="database", error=str(exc), action="release")
+            return
+        if not released:
+            _lease_lost(run, "release")
+            return
+        state.wakeups.announce(run.key_digest, "released")
+        _send(signals.claim_released, run, reason=reason, status=None)
+
+
+def job_fingerprint(name: str, payload: Any) -> str:
+    """What makes two calls the same work: the job's name and its canonical payload."""
+    try:
+        canonical = json.dumps(
+            payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str
+        )
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"once(payload=...) must be JSON-serialisable: {exc}") from exc
+    return _digest(b"once1", name.encode("utf-8"), canonical.encode("utf-8"))
+
+
+def _look_up(state: AppState, run: Run, ttl: float, lease: float) -> Claim | Completed | Record:
+    """Cache first (completed records only), then claim or read the durable record."""
+    outcome, run.source = state.look_up(run.ident, ttl=ttl, lease=lease, guard_locks=run._atomic)
+    return outcome
+
+
+def _in_flight(run: Run, outcome: Claim | Completed | Record) -> bool:
+    return (
+        isinstance(outcome, Record)
+        and outcome.state == IN_PROGRESS
+        and outcome.fingerprint == run.ident.fingerprint
+    )
+
+
+def _wait_for_owner(
+    state: AppState, run: Run, record: Record, ttl: float, lease: float, wait: float
+) -> Claim | Completed | Record:
+    """Park until the owner finishes or its lease lapses (C10–C13), as a request does."""
+    deadline = time.monotonic() + wait
+    outcome: Claim | Completed | Record = record
+    parked_at = time.perf_counter()
+    try:
+        with state.wakeups.parked(run.key_digest) as parked:
+            live = parked.cross_process_live
+            polls = PollSchedule(first=0.1 if live else 0.025, cap=1.0 if live else 0.5)
+            while True:
+                outcome = _look_up(state, run, ttl, lease)
+                if not _in_flight(run, outcome):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                parked.wait(min(remaining, polls.next()))
+    except TooManyWaiters:
+        log.warning("idempotency: too many parked callers in this process; not waiting")
+    _send(
+        signals.request_waited,
+        run,
+        waited=time.perf_counter() - parked_at,
+        outcome=type(outcome).__name__.lower(),
+    )
+    return outcome
+
+
+def _decode(response: StoredResponse) -> tuple[Any, bool]:
+    if response.body_omitted:
+        return None, True
+    return json.loads(response.body) if response.body else None, False
+
+
+def _lease_lost(run: Run, action: str) -> None:
+    log.warning(
+        "idempotency: lease on %s was taken over before %s; the new owner's record stands",
+        run.key_digest[:16],
+        action,
+    )
+    _send(signals.lease_lost, run, action=action)
+
+
+def _send(signal: Any, run: Run, **extra: Any) -> None:
+    """The request path's signals, with ``route`` naming the job (``once:<name>``)."""
+    if signal.receivers:
+        signals.send(
+            signal,
+            current_app._get_current_object(),  # type: ignore[attr-defined]
+            key_digest=run.ident.key_digest,
+            scope=run.ident.scope,
+            route="once:" + run.ident.path,
+            duration=time.perf_counter() - run._started,
+            **extra,
+        )

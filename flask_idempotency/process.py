@@ -1,0 +1,165 @@
+"""The one owner of what belongs to a worker process, not to an app or a request.
+
+Engines the extension built, Redis clients shared by apps on the same URL, and the
+wake-up listener threads. One ``os.register_at_fork`` hook resets them in a forked
+child: a child must never use the parent's pooled sockets (two processes reading
+one PostgreSQL connection get each other's rows) nor count on the parent's threads,
+which do not exist after ``fork()``.
+
+Locks here are made on first use, never at import or in ``init_app``: under
+``gunicorn -k gevent --preload`` the app is imported before gevent patches
+``threading``, and a real OS lock held by one greenlet blocks the whole worker.
+The fork hook drops them, so a child makes its own (patched) locks. Nothing here
+holds a lock across I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from .listener import WakeupListener
+
+log = logging.getLogger("flask_idempotency")
+
+T = TypeVar("T")
+
+
+class _LazyLock:
+    """A lock created on first use; ``reset()`` forgets it (after fork)."""
+
+    def __init__(self) -> None:
+        self._slot: dict[str, Any] = {}
+
+    def get(self) -> threading.Lock:
+        lock = self._slot.get("lock")
+        if lock is None:
+            # dict.setdefault is atomic under the GIL: racing creators agree on one lock.
+            lock = self._slot.setdefault("lock", threading.Lock())
+        return lock  # type: ignore[no-any-return]
+
+    def __enter__(self) -> None:
+        self.get().acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.get().release()
+
+    def reset(self) -> None:
+        self._slot.clear()
+
+
+_lock = _LazyLock()
+#: Engines built by the extension (never the app's own): disposed in a forked child.
+_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+#: Redis clients shared per process by configuration (URL and timeouts).
+_shared: dict[Hashable, Any] = {}
+#: Wake-up listeners of this process, by (Redis, channel).
+_listeners: dict[Hashable, WakeupListener] = {}
+
+
+def lazy_lock() -> _LazyLock:
+    """A lock that is made on first use and forgotten after fork (see the module doc)."""
+    lock = _LazyLock()
+    _lazy_locks.add(lock)
+    return lock
+
+
+_lazy_locks: weakref.WeakSet[_LazyLock] = weakref.WeakSet()
+
+
+# -- engines ----------------------------------------------------------------------------
+
+
+def own_engine(engine: Engine) -> Engine:
+    """Take ownership of an engine the extension built: it is reset in forked children."""
+    _engines.add(engine)
+    return engine
+
+
+def once(slot: dict[str, T], build: Callable[[], T]) -> T:
+    """``slot["value"]``, built on first need without holding a lock while building.
+
+    Racing builders may both build; the first stored wins and the others' results
+    are dropped (building must be cheap and side-effect free, like ``create_engine``).
+    """
+    value = slot.get("value")
+    if value is None:
+        value = slot.setdefault("value", build())
+    return value
+
+
+# -- shared clients -----------------------------------------------------------------------
+
+
+def shared(key: Hashable, build: Callable[[], T]) -> T:
+    """The process's one object for ``key`` (a Redis client per URL), built on first need."""
+    value = _shared.get(key)
+    if value is None:
+        value = _shared.setdefault(key, build())
+    return value  # type: ignore[no-any-return]
+
+
+# -- listeners ------------------------------------------------------------------------------
+
+
+def listener_for(key: Hashable, create: Callable[[], WakeupListener]) -> WakeupListener:
+    """This process's listener for ``key`` (a Redis and channel), created on first need."""
+    with _lock:
+        listener = _listeners.get(key)
+        if listener is None or not listener.usable:
+            listener = _listeners[key] = create()
+            listener.on_exit = lambda: forget_listener(key, listener)
+        return listener
+
+
+def forget_listener(key: Hashable, listener: WakeupListener) -> None:
+    """Drop ``listener`` from the registry if it is still the one for ``key`` (it exited)."""
+    with _lock:
+        if _listeners.get(key) is listener:
+            del _listeners[key]
+
+
+def stop_listeners(timeout: float = 5.0) -> None:
+    """Stop every listener of this process (tests; graceful shutdown)."""
+    with _lock:
+        listeners = list(_listeners.values())
+        _listeners.clear()
+    for listener in listeners:
+        listener.stop(timeout)
+
+
+def running_listeners() -> list[WakeupListener]:
+    """The listeners this process has started and not stopped."""
+    with _lock:
+        return [listener for listener in _listeners.values() if listener.usable]
+
+
+# -- fork ---------------------------------------------------------------------------------
+
+
+def _after_fork_in_child() -> None:
+    """Reset everything per-process: the child starts afresh on first need."""
+    _lock.reset()
+    for lock in list(_lazy_locks):
+        lock.reset()
+    for listener in list(_listeners.values()):
+        listener.abandon()  # its thread did not survive the fork
+    _listeners.clear()
+    _shared.clear()  # redis-py pools also check the pid; these are rebuilt in the child
+    for engine in list(_engines):
+        try:
+            # close=False: the parent's connections stay open for the parent; the
+            # child only forgets them and opens its own.
+            engine.dispose(close=False)
+        except Exception as exc:  # pragma: no cover - defensive: never break a fork
+            log.warning("idempotency: resetting an engine after fork failed: %s", exc)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,92 @@
+"""Supported versions, tested rather than claimed: ``make test-versions`` (nox).
+
+Two sessions, each in its own virtualenv on its own interpreter:
+
+- ``oldest``: the oldest Python this machine provides that ``python_requires``
+  allows, with every runtime dependency pinned to the lowest version
+  ``setup.cfg`` accepts (``OLDEST``);
+- ``newest``: the newest Python here, with the newest release of everything.
+
+Both run the fast suite (``-m "not slow"``) plus the real PostgreSQL and Redis
+smoke tests (``SMOKE``), on both PostgreSQL drivers: a few minutes each, so both
+fit in CI. Interpreters are looked up on PATH and in pyenv's versions directory
+(CI machines have no way to download Python builds).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import nox
+
+OLDEST_PYTHON = "3.10"
+NEWEST_PYTHON = "3.13"
+
+#: The lowest version of each runtime dependency setup.cfg accepts, plus the lowest
+#: Flask-SQLAlchemy / Flask-Migrate that install beside SQLAlchemy 2.0.0 (tests only).
+OLDEST = [
+    "Flask==2.3.0",
+    "Werkzeug==2.3.0",
+    "SQLAlchemy==2.0.0",
+    "blinker==1.6.2",
+    "redis==5.0.0",
+    "psycopg2-binary==2.9.5",
+    "psycopg[binary]==3.1.8",
+    "Flask-SQLAlchemy==3.0.5",
+    "Flask-Migrate==4.0.0",
+]
+
+#: Test tooling: not part of what we support, so the newest release in both sessions.
+TOOLS = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "fakeredis>=2.20",
+    "hypothesis>=6.100",
+    "gunicorn>=22",
+    "requests>=2.31",
+    "prometheus_client>=0.17",
+]
+
+#: The real-server tests both sessions add to the fast suite (they are marked slow).
+SMOKE = ["tests/test_pg_smoke.py", "tests/test_redis_real.py", "tests/deploy/test_pgbouncer.py"]
+
+nox.options.sessions = ["oldest", "newest"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _add_pyenv_interpreters() -> None:
+    """Let nox find ``python3.10`` etc. in pyenv's versions when no shim exposes them."""
+    root = os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv"))
+    found = sorted(glob.glob(os.path.join(root, "versions", "3.*", "bin")), reverse=True)
+    if found:
+        os.environ["PATH"] = os.pathsep.join([*found, os.environ.get("PATH", "")])
+
+
+_add_pyenv_interpreters()
+
+
+def _pytest(session: nox.Session) -> None:
+    args = session.posargs or []
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *args)
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *SMOKE, *args)
+
+
+@nox.session(python=OLDEST_PYTHON)
+def oldest(session: nox.Session) -> None:
+    """The oldest supported set: Python 3.10, Flask 2.3, SQLAlchemy 2.0, redis-py 5.0."""
+    session.install(*OLDEST, *TOOLS)
+    session.install("--no-deps", "-e", ".")
+    session.run("python", "-m", "pip", "check")
+    session.run("python", "-m", "pip", "freeze", "--exclude-editable")
+    _pytest(session)
+
+
+@nox.session(python=NEWEST_PYTHON)
+def newest(session: nox.Session) -> None:
+    """The newest Python here with the newest release of every dependency."""
+    session.install("--upgrade", "-e", ".[redis,postgresql,psycopg]", *TOOLS)
+    session.install("--upgrade", "Flask-SQLAlchemy", "Flask-Migrate")
+    session.run("python", "-m", "pip", "freeze", "--exclude-editable")
+    _pytest(session)

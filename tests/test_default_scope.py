@@ -1,0 +1,157 @@
+"""The default scope, when no ``scope_loader`` is registered (issue 9 item 14; C5, C46).
+
+C46: the loader's value; else, with Flask-Login installed and ``current_user``
+authenticated, ``current_user.get_id()``; else a digest of ``Authorization``; else
+``anonymous``. The ``Authorization`` fallback splits a client's retries when it
+refreshes its OAuth token between them, so it is kept but announced: one WARNING
+at an app's first protected request without a loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+from flask import Flask, jsonify
+from flask_login import LoginManager, UserMixin
+
+from flask_idempotency import idempotent
+
+REPLAYED = "Idempotent-Replayed"
+#: Two access tokens of one user, as an OAuth client holds before and after a refresh.
+TOKENS = {"token-before-refresh": "u1", "token-after-refresh": "u1", "token-of-u2": "u2"}
+
+
+class User(UserMixin):
+    def __init__(self, user_id: str) -> None:
+        self.id = user_id
+
+
+def _with_login(app: Flask) -> None:
+    login = LoginManager(app)
+
+    @login.request_loader
+    def from_bearer(request):
+        header = request.headers.get("Authorization", "")
+        user_id = TOKENS.get(header.removeprefix("Bearer "))
+        return User(user_id) if user_id else None
+
+
+def _counted(app: Flask) -> list[str]:
+    calls: list[str] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        calls.append("pay")
+        return jsonify(n=len(calls)), 201
+
+    return calls
+
+
+def _post(app: Flask, token: str | None, key: str = "k1"):
+    headers = {"Idempotency-Key": key}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    return app.test_client().post("/pay", json={"amount": 10}, headers=headers)
+
+
+def test_i9_14_c46_flask_login_user_survives_a_token_refresh(make_app) -> None:
+    """C46: with Flask-Login, the default scope is the user, so a refreshed token replays."""
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    _with_login(app)
+    calls = _counted(app)
+    first = _post(app, "token-before-refresh")
+    retry = _post(app, "token-after-refresh")
+    assert first.status_code == retry.status_code == 201
+    assert retry.headers.get(REPLAYED) == "true" and retry.data == first.data
+    assert calls == ["pay"]
+
+
+def test_i9_14_c5_c46_two_logged_in_users_never_share_a_key(make_app) -> None:
+    """C5/C46: the user id scopes the key: another user's same key is another record."""
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    _with_login(app)
+    calls = _counted(app)
+    assert _post(app, "token-before-refresh").status_code == 201
+    other = _post(app, "token-of-u2")
+    assert other.status_code == 201 and REPLAYED not in other.headers
+    assert calls == ["pay", "pay"]
+
+
+def test_i9_14_c46_anonymous_flask_login_user_falls_back_to_authorization(make_app) -> None:
+    """C46: an unauthenticated ``current_user`` is no scope: the Authorization digest is."""
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    _with_login(app)
+    calls = _counted(app)
+    assert _post(app, "unknown-token-a").status_code == 201
+    assert _post(app, "unknown-token-a").headers.get(REPLAYED) == "true"
+    assert REPLAYED not in _post(app, "unknown-token-b").headers
+    assert calls == ["pay", "pay"]
+
+
+def test_i9_14_c46_without_flask_login_a_refreshed_token_is_a_new_scope(make_app) -> None:
+    """C46: the contract's default is kept: without a login manager, Authorization scopes."""
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    calls = _counted(app)
+    assert _post(app, "token-before-refresh").status_code == 201
+    assert REPLAYED not in _post(app, "token-after-refresh").headers
+    assert calls == ["pay", "pay"]
+
+
+def test_i9_14_c46_loader_wins_over_flask_login(make_app) -> None:
+    """C46: a registered scope_loader decides, whatever Flask-Login says."""
+    app, ext = make_app({"IDEMPOTENCY_WAIT": 0})
+    _with_login(app)
+    ext.scope_loader(lambda: "tenant-7")
+    calls = _counted(app)
+    assert _post(app, "token-before-refresh").status_code == 201
+    assert _post(app, "token-of-u2").headers.get(REPLAYED) == "true"
+    assert calls == ["pay"]
+
+
+def _scope_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [
+        r
+        for r in caplog.records
+        if r.name == "flask_idempotency"
+        and r.levelno == logging.WARNING
+        and "scope_loader" in r.getMessage()
+    ]
+
+
+def test_i9_14_c46_one_warning_at_the_first_protected_request_without_a_loader(
+    make_app, caplog: pytest.LogCaptureFixture
+) -> None:
+    """C46: an app without a scope_loader says so once, naming the token-refresh risk."""
+    caplog.set_level(logging.INFO, logger="flask_idempotency")
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    _counted(app)
+    assert _scope_warnings(caplog) == []  # not at start-up: views may come later
+    threads = [threading.Thread(target=_post, args=(app, f"t{i}", f"k{i}")) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    _post(app, None, "k-last")
+    warnings = _scope_warnings(caplog)
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    assert "Authorization" in message and "refresh" in message and "anonymous" in message
+
+    other, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    _counted(other)
+    _post(other, None)
+    assert len(_scope_warnings(caplog)) == 2, "one warning per app"
+
+
+def test_i9_14_c46_no_warning_with_a_scope_loader(
+    make_app, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="flask_idempotency")
+    app, ext = make_app({"IDEMPOTENCY_WAIT": 0})
+    ext.scope_loader(lambda: "tenant-1")
+    _counted(app)
+    _post(app, None)
+    assert _scope_warnings(caplog) == []

@@ -1,0 +1,91 @@
+"""Per-request state belongs to its request (issue 9 item 6; CONTRACT C1, C19).
+
+Flask keeps ``g`` on the app context, and a request pushed while an app context
+is already active (a test under ``with app.app_context():``, a sub-request made
+from inside a view) shares it. The layer's record of "this request owns a claim"
+must not leak from one request into the next through it.
+"""
+
+from __future__ import annotations
+
+from flask import g, jsonify
+
+from flask_idempotency import current_key_digest, idempotent, release_claim
+
+KEY = {"Idempotency-Key": "key-1"}
+
+
+def _app(make_app):
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    seen: list[tuple[str | None, bool]] = []
+
+    @app.post("/protected")
+    @idempotent
+    def protected():
+        return jsonify(digest=current_key_digest()), 201
+
+    @app.post("/plain")
+    def plain():
+        seen.append((current_key_digest(), release_claim()))
+        return jsonify(ok=True), 201
+
+    return app, seen
+
+
+def test_i9_6_c19_no_ownership_leaks_into_the_next_request_on_a_shared_app_context(
+    make_app,
+) -> None:
+    """C19/C1: after a protected request, the next one in its app context owns nothing."""
+    app, seen = _app(make_app)
+    with app.app_context():
+        client = app.test_client()
+        first = client.post("/protected", headers=KEY)
+        assert first.status_code == 201 and first.json["digest"]
+        client.post("/plain", headers={"Idempotency-Key": "other"})
+        assert seen == [(None, False)]
+        # Nothing of the layer's is left on the shared g once the request is over.
+        assert not [name for name in vars(g._get_current_object()) if "idempotency" in name]
+
+
+def test_i9_6_c19_sub_request_from_a_protected_view_owns_nothing(make_app) -> None:
+    """C19: a request made from inside a protected view is a request of its own."""
+    app, seen = _app(make_app)
+
+    @app.post("/outer")
+    @idempotent
+    def outer():
+        inner = app.test_client().post("/plain")
+        assert inner.status_code == 201
+        return jsonify(outer=current_key_digest()), 201
+
+    with app.app_context():
+        response = app.test_client().post("/outer", headers=KEY)
+        again = app.test_client().post("/outer", headers=KEY)
+    assert response.status_code == 201 and response.json["outer"]
+    assert seen == [(None, False)]
+    # The outer record holds the outer view's answer, not the sub-request's.
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    assert again.json == response.json
+
+
+def test_i9_6_c15_a_second_protected_request_settles_its_own_claim(make_app) -> None:
+    """C15: two protected requests in one app context each store their own record."""
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    calls: list[str] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        calls.append("pay")
+        return jsonify(digest=current_key_digest()), 201
+
+    with app.app_context():
+        client = app.test_client()
+        a = client.post("/pay", headers={"Idempotency-Key": "a"})
+        b = client.post("/pay", headers={"Idempotency-Key": "b"})
+        a2 = client.post("/pay", headers={"Idempotency-Key": "a"})
+        b2 = client.post("/pay", headers={"Idempotency-Key": "b"})
+    assert calls == ["pay", "pay"]
+    assert a.json["digest"] != b.json["digest"]
+    assert a2.headers.get("Idempotent-Replayed") == "true" and a2.json == a.json
+    assert b2.headers.get("Idempotent-Replayed") == "true" and b2.json == b.json

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Install the Debian packages the test suite drives as real servers and tools, and start the
+# machine's own services if they are down. Idempotent: a package already present costs nothing.
+#
+#   pgbouncer                  the transaction-pooling tests (tests/deploy, tests/support/pgbouncer.py)
+#   chromium chromium-driver   the browser tests (forms, docs screenshots)
+#   redis-server redis-tools   private servers, Cluster and Sentinel groups (redis-cli --cluster)
+#   wrk                        make bench's throughput part
+#
+# Without root or apt (a laptop) it only says what is missing; those tests then skip with a
+# reason, except under CI=true, where they fail.
+set -uo pipefail
+
+packages=(pgbouncer chromium chromium-driver redis-server redis-tools wrk)
+missing=()
+for pkg in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "system-deps: installing ${missing[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+            || { echo "system-deps: apt-get install failed" >&2; exit 1; }
+    else
+        echo "system-deps: missing ${missing[*]} (not root or no apt-get): the tests that need them skip" >&2
+    fi
+fi
+# The Debian pgbouncer package may start its own service on 6432; the tests start private ones.
+
+# MariaDB: the MySQL/MariaDB store tests run against it (127.0.0.1:3306, root, empty password).
+if command -v mariadb >/dev/null 2>&1 && ! mariadb -h 127.0.0.1 -u root -e 'SELECT 1' >/dev/null 2>&1; then
+    if [ -x /usr/sbin/mariadbd ] && [ "$(id -u)" -eq 0 ]; then
+        echo "system-deps: starting MariaDB"
+        start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd
+        for _ in $(seq 30); do
+            mariadb -h 127.0.0.1 -u root -e 'SELECT 1' >/dev/null 2>&1 && break
+            sleep 1
+        done
+    fi
+fi
+if command -v mariadb >/dev/null 2>&1 && mariadb -h 127.0.0.1 -u root -e 'SELECT 1' >/dev/null 2>&1; then
+    mariadb -h 127.0.0.1 -u root -e 'CREATE DATABASE IF NOT EXISTS test' >/dev/null 2>&1 || true
+fi
+exit 0
