@@ -16,6 +16,7 @@ makes afterwards is fenced by its lock token.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -31,6 +32,7 @@ from sqlalchemy import (
     Table,
     and_,
     bindparam,
+    create_engine,
     delete,
     inspect,
     not_,
@@ -41,6 +43,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from . import process
 from .records import COMPLETED, IN_PROGRESS, Claim, Identity, Record, StoredResponse
 from .table import db_now_ms, idempotency_table
 
@@ -85,13 +88,14 @@ class DurableStore:
         #: Commit the claim without waiting for the WAL flush (``IDEMPOTENCY_ASYNC_CLAIM``).
         self.async_claim = async_claim
         self._verified = False
-        self._engines: tuple[Engine, Engine] | None = None
+        self._engines: tuple[Engine, Engine, Engine | None] | None = None
         # The two statements of every claim and replay, built once: building a
         # construct per request cost more CPU than executing it (bench/run.py).
         self._claim_stmt: Any = None
         self._get_stmt: Any = None
         self._complete_stmt: Any = None
         self._async_claim_sql: tuple[str, dict[str, Any]] | None = None
+        self._at_once_sql: tuple[str, dict[str, Any]] | None = None
 
     # -- engines -----------------------------------------------------------------
 
@@ -108,7 +112,7 @@ class DurableStore:
         """
         return self._resolve()[1]
 
-    def _resolve(self) -> tuple[Engine, Engine]:
+    def _resolve(self) -> tuple[Engine, Engine, Engine | None]:
         """The engines, set up on first use. No lock is held across the create-table
         I/O: a lock made in ``init_app`` predates gevent's patching under ``--preload``
         and would stall the whole worker (issue 10). Racing first requests may each run
@@ -118,9 +122,26 @@ class DurableStore:
             engine = self._engine_factory()
             if self._create_table:
                 self._create_if_missing(engine)
-            engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"))
+            engines = (
+                engine,
+                engine.execution_options(isolation_level="AUTOCOMMIT"),
+                _autocommit_sibling(engine),
+            )
             self._engines = engines
         return engines
+
+    def _single(self) -> Engine | None:
+        """The pool for the request path's single statements, or ``None`` (run each in a
+        transaction of the main engine instead).
+
+        On PostgreSQL with psycopg2 every statement there is its own transaction in one
+        round trip, where a transaction on the main engine costs three (BEGIN, the
+        statement, COMMIT). Its connections are born in autocommit, in a pool of their
+        own built on the main engine's connect function (same server, arguments, sizes
+        and events): no pooled connection ever has its mode switched and switched back
+        (see the module docstring), and the app's own sessions never see this mode.
+        """
+        return self._resolve()[2]
 
     def _create_if_missing(self, engine: Engine) -> None:
         """Create the table; another process creating it at the same moment is fine."""
@@ -186,7 +207,20 @@ class DurableStore:
                 claim = self._insert(conn, ident, token, ttl_ms, lease_ms)
                 return claim if claim is not None else self._select(conn, ident.key_digest)
 
-            if guard_locks:
+            # A literal % in the table name would read as a placeholder in the driver's SQL.
+            single = None if guard_locks or "%" in self.table.fullname else self._single()
+            if single is not None:
+                outcome = self._run(
+                    functools.partial(
+                        self._claim_or_read_at_once,
+                        ident=ident,
+                        token=token,
+                        ttl_ms=ttl_ms,
+                        lease_ms=lease_ms,
+                    ),
+                    single,
+                )
+            elif guard_locks:
                 outcome = self._run_locked(claim_or_read)
                 if outcome is None:  # the row was locked: read it without waiting
                     outcome = self.get(ident.key_digest)
@@ -260,6 +294,55 @@ class DurableStore:
             compiled = self._claim_statement().compile(dialect=conn.dialect)
             sql = "SET LOCAL synchronous_commit = off; " + compiled.string
             cached = self._async_claim_sql = (sql, dict(compiled.params))
+        return cached
+
+    def _claim_or_read_at_once(
+        self, conn: Connection, *, ident: Identity, token: str, ttl_ms: int, lease_ms: int
+    ) -> Claim | Record | None:
+        """The claim and, when it meets a record, that record: one statement, one round trip.
+
+        The INSERT runs in a CTE and the outer SELECT reads the row by key with the
+        statement's snapshot. A row a competitor committed after that snapshot makes
+        the INSERT do nothing yet stays invisible to the SELECT: then neither comes
+        back and the caller claims again with a fresh statement (race X9).
+        """
+        sql, defaults = self._at_once_statement(conn)
+        params = {
+            **defaults,
+            "p_key_digest": ident.key_digest,
+            "p_scope": ident.scope,
+            "p_fingerprint": ident.fingerprint,
+            "p_method": ident.method,
+            "p_path": ident.path[:2048],
+            "p_lock_token": token,
+            "p_ttl_ms": ttl_ms,
+            "p_lease_ms": lease_ms,
+        }
+        row = conn.exec_driver_sql(sql, params).first()
+        if row is None:  # pragma: no cover - the outer SELECT always yields one row
+            return None
+        if row.claimed_id is not None:
+            return Claim(int(row.claimed_id), token, int(row.claimed_expires_at_ms), "new")
+        return None if row.id is None else _to_record(row)
+
+    def _at_once_statement(self, conn: Connection) -> tuple[str, dict[str, Any]]:
+        """The SQL of :meth:`_claim_or_read_at_once` for psycopg2, compiled once."""
+        cached = self._at_once_sql
+        if cached is None:
+            dialect = conn.dialect
+            insert = self._claim_statement().compile(dialect=dialect)
+            table = dialect.identifier_preparer.format_table(self.table)
+            now = db_now_ms().compile(dialect=dialect).string
+            sql = (
+                f"WITH ins AS ({insert.string})"
+                " SELECT ins.id AS claimed_id, ins.expires_at_ms AS claimed_expires_at_ms,"
+                f" r.*, {now} AS now_ms"
+                " FROM (SELECT 1) AS one LEFT JOIN ins ON true"
+                f" LEFT JOIN {table} AS r ON r.key_digest = %(p_key_digest)s"
+            )
+            if self.async_claim:
+                sql = "SET LOCAL synchronous_commit = off; " + sql  # one implicit transaction
+            cached = self._at_once_sql = (sql, dict(insert.params))
         return cached
 
     def _claim_statement(self) -> Any:
@@ -369,7 +452,7 @@ class DurableStore:
 
     def get(self, key_digest: str) -> Record | None:
         """The record named ``key_digest``, read with the database clock (no lock taken, R74)."""
-        return self._run(lambda conn: self._select(conn, key_digest))
+        return self._run(lambda conn: self._select(conn, key_digest), self._single())
 
     def _select(self, conn: Connection, key_digest: str) -> Record | None:
         stmt = self._get_stmt
@@ -422,7 +505,7 @@ class DurableStore:
                 row = conn.execute(applied).first()
             return None if row is None else int(row.expires_at_ms)
 
-        return self._run(complete_own)
+        return self._run(complete_own, self._single())
 
     def completion_statement(self, claim: Claim, response: StoredResponse) -> Any:
         """The fenced UPDATE that completes a record, returning its expiry.
@@ -486,7 +569,7 @@ class DurableStore:
                 return True
             return attempts > 1 and conn.execute(exists).first() is None
 
-        return self._run(delete_own)
+        return self._run(delete_own, self._single())
 
     def renew(self, claims: list[Claim], lease: float, *, engine: Engine | None = None) -> set[int]:
         """Extend the leases of ``claims`` to ``lease`` seconds from now (C44).
@@ -529,7 +612,7 @@ class DurableStore:
 
     # -- running statements --------------------------------------------------------------
 
-    def _run(self, work: Callable[[Connection], T]) -> T:
+    def _run(self, work: Callable[[Connection], T], single: Engine | None = None) -> T:
         """Run ``work`` with bounded retries of transient failures; else raise :class:`StoreError`.
 
         Retried: serialization failures and deadlocks (C26), and a pooled
@@ -538,6 +621,9 @@ class DurableStore:
         """
         for attempt in range(_ATTEMPTS):
             try:
+                if single is not None:  # autocommit: each statement commits by itself
+                    with single.connect() as conn:
+                        return work(conn)
                 with self.engine.begin() as conn:
                     return work(conn)
             except DBAPIError as exc:
@@ -560,6 +646,15 @@ class DurableStore:
             " `flask db upgrade` (Flask-Migrate), or `flask idempotency create-table`,"
             " or `db.create_all()`; `flask idempotency check` compares the table"
         )
+
+
+def _autocommit_sibling(engine: Engine) -> Engine | None:
+    """A pool of its own on ``engine``'s connect function whose connections are born in
+    autocommit; PostgreSQL with psycopg2 only (``None`` elsewhere)."""
+    if engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg2":
+        return None
+    sibling = create_engine(engine.url, pool=engine.pool.recreate(), isolation_level="AUTOCOMMIT")
+    return process.own_engine(sibling)  # reset in a forked child like the extension's own
 
 
 def _to_record(row: Any) -> Record:
