@@ -35,9 +35,11 @@ from sqlalchemy import (
     create_engine,
     delete,
     inspect,
+    literal,
     not_,
     select,
     text,
+    true,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -96,6 +98,7 @@ class DurableStore:
         self._complete_stmt: Any = None
         self._async_claim_sql: tuple[str, dict[str, Any]] | None = None
         self._at_once_sql: tuple[str, dict[str, Any]] | None = None
+        self._at_once_stmt: Any = None
 
     # -- engines -----------------------------------------------------------------
 
@@ -306,9 +309,7 @@ class DurableStore:
         the INSERT do nothing yet stays invisible to the SELECT: then neither comes
         back and the caller claims again with a fresh statement (race X9).
         """
-        sql, defaults = self._at_once_statement(conn)
         params = {
-            **defaults,
             "p_key_digest": ident.key_digest,
             "p_scope": ident.scope,
             "p_fingerprint": ident.fingerprint,
@@ -318,31 +319,45 @@ class DurableStore:
             "p_ttl_ms": ttl_ms,
             "p_lease_ms": lease_ms,
         }
-        row = conn.exec_driver_sql(sql, params).first()
+        if self.async_claim:  # SET LOCAL and the statement in one simple query
+            sql, defaults = self._at_once_sql_async(conn)
+            row = conn.exec_driver_sql(sql, {**defaults, **params}).first()
+        else:  # a construct: its compiled form and result columns are cached
+            row = conn.execute(self._at_once_statement(), params).first()
         if row is None:  # pragma: no cover - the outer SELECT always yields one row
             return None
         if row.claimed_id is not None:
             return Claim(int(row.claimed_id), token, int(row.claimed_expires_at_ms), "new")
         return None if row.id is None else _to_record(row)
 
-    def _at_once_statement(self, conn: Connection) -> tuple[str, dict[str, Any]]:
-        """The SQL of :meth:`_claim_or_read_at_once` for psycopg2, compiled once."""
+    def _at_once_statement(self) -> Any:
+        """``WITH ins AS (INSERT … RETURNING) SELECT ins.*, r.*, now FROM one LEFT JOIN ins
+        LEFT JOIN table AS r ON r.key_digest = …``, built once."""
+        stmt = self._at_once_stmt
+        if stmt is None:
+            ins = self._claim_statement().cte("ins")
+            r = self.table.alias("r")
+            one = select(literal(1).label("one")).subquery("one")
+            stmt = self._at_once_stmt = select(
+                ins.c.id.label("claimed_id"),
+                ins.c.expires_at_ms.label("claimed_expires_at_ms"),
+                *r.c,
+                db_now_ms().label("now_ms"),
+            ).select_from(
+                one.outerjoin(ins, true()).outerjoin(
+                    r, r.c.key_digest == bindparam("p_key_digest", type_=r.c.key_digest.type)
+                )
+            )
+        return stmt
+
+    def _at_once_sql_async(self, conn: Connection) -> tuple[str, dict[str, Any]]:
+        """The same statement as the driver's SQL, after ``SET LOCAL synchronous_commit = off``
+        (``IDEMPOTENCY_ASYNC_CLAIM``): one simple query is one implicit transaction."""
         cached = self._at_once_sql
         if cached is None:
-            dialect = conn.dialect
-            insert = self._claim_statement().compile(dialect=dialect)
-            table = dialect.identifier_preparer.format_table(self.table)
-            now = db_now_ms().compile(dialect=dialect).string
-            sql = (
-                f"WITH ins AS ({insert.string})"
-                " SELECT ins.id AS claimed_id, ins.expires_at_ms AS claimed_expires_at_ms,"
-                f" r.*, {now} AS now_ms"
-                " FROM (SELECT 1) AS one LEFT JOIN ins ON true"
-                f" LEFT JOIN {table} AS r ON r.key_digest = %(p_key_digest)s"
-            )
-            if self.async_claim:
-                sql = "SET LOCAL synchronous_commit = off; " + sql  # one implicit transaction
-            cached = self._at_once_sql = (sql, dict(insert.params))
+            compiled = self._at_once_statement().compile(dialect=conn.dialect)
+            sql = "SET LOCAL synchronous_commit = off; " + compiled.string
+            cached = self._at_once_sql = (sql, dict(compiled.params))
         return cached
 
     def _claim_statement(self) -> Any:
