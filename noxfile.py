@@ -25,7 +25,8 @@ OLDEST_PYTHON = "3.10"
 NEWEST_PYTHON = "3.13"
 
 #: The lowest version of each runtime dependency setup.cfg accepts, plus the lowest
-#: Flask-SQLAlchemy / Flask-Migrate that install beside SQLAlchemy 2.0.0 (tests only).
+#: Flask-SQLAlchemy / Flask-Migrate / Flask-Login / Flask-Cors the tests work with beside them
+#: (Flask-SQLAlchemy 3.1 needs SQLAlchemy 2.0.16, so the oldest set uses 3.0.5).
 OLDEST = [
     "Flask==2.3.0",
     "Werkzeug==2.3.0",
@@ -35,7 +36,9 @@ OLDEST = [
     "psycopg2-binary==2.9.5",
     "psycopg[binary]==3.1.8",
     "Flask-SQLAlchemy==3.0.5",
-    "Flask-Migrate==4.0.0",
+    "Flask-Migrate==4.0.2",  # the first with `flask db check`, which the tests use
+    "Flask-Login==0.6.3",
+    "Flask-Cors==4.0.0",
 ]
 
 #: Test tooling: not part of what we support, so the newest release in both sessions.
@@ -87,6 +90,6 @@ def oldest(session: nox.Session) -> None:
 def newest(session: nox.Session) -> None:
     """The newest Python here with the newest release of every dependency."""
     session.install("--upgrade", "-e", ".[redis,postgresql,psycopg]", *TOOLS)
-    session.install("--upgrade", "Flask-SQLAlchemy", "Flask-Migrate")
+    session.install("--upgrade", "Flask-SQLAlchemy", "Flask-Migrate", "Flask-Login", "Flask-Cors")
     session.run("python", "-m", "pip", "freeze", "--exclude-editable")
     _pytest(session)

@@ -205,12 +205,12 @@ class Unit:
                     _rollback_quietly(session)
                     raise ViewWriteFailed(_describe(exc)) from exc
                 raise
-            row = session.execute(self.store.completion_statement(self.claim, response)).first()
-            if row is None:
+            expires_at_ms = self.store.complete_in(session, self.claim, response)
+            if expires_at_ms is None:
                 session.rollback()
                 return None
             session.commit()
-            return int(row.expires_at_ms)
+            return expires_at_ms
         except SQLAlchemyError as exc:
             _rollback_quietly(session)
             state = retryable_sqlstate(exc)

@@ -425,6 +425,13 @@ def create_store_engine(uri: str, **options: Any) -> Engine:
         kwargs["pool_size"] = 10
         kwargs["max_overflow"] = 20
         kwargs["pool_timeout"] = 5
+    elif backend in ("mysql", "mariadb"):
+        # utf8mb4: scopes and paths are any Unicode; the driver's default may be latin1.
+        kwargs["connect_args"] = {"connect_timeout": 3, "charset": "utf8mb4"}
+        kwargs["pool_size"] = 10
+        kwargs["max_overflow"] = 20
+        kwargs["pool_timeout"] = 5
+        kwargs["pool_recycle"] = 3600  # below the server's wait_timeout (8 h by default)
     elif backend == "sqlite":
         kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
         if url.database in (None, "", ":memory:"):

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.pool import QueuePool
 
+from . import process
 from .records import Claim
 from .store import DurableStore
 
@@ -259,8 +260,7 @@ def reset_after_fork() -> None:
     _renewer = None
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=reset_after_fork)
+process.at_fork(reset_after_fork)
 
 
 def start(

@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from flask import current_app
 
-from . import atomic, signals
+from . import atomic, heartbeat, signals
 from .fingerprint import _digest, key_digest
 from .records import IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .store import StoreError
-from .wakeup import PollSchedule, TooManyWaiters
+from .wakeup import wait_for_owner
 
 if TYPE_CHECKING:
     from .extension import AppState, Idempotency
@@ -95,6 +95,8 @@ class Run:
         self._atomic = False
         #: Atomic work's transaction, begun after the claim (C40, C43).
         self._unit: atomic.Unit | None = None
+        #: The lease heartbeat's entry while the owner works (C44).
+        self._lease: heartbeat.Lease | None = None
         self._started = time.perf_counter()
 
     @property
@@ -230,6 +232,7 @@ class Once:
             elif outcome.how == "taken_over":
                 _send(signals.lease_taken_over, run)
             _send(signals.request_executed, run, how=outcome.how)
+            _start_heartbeat(state, run, lease)
             if self._atomic:
                 self._begin_unit(run)
             return run
@@ -252,6 +255,7 @@ class Once:
     def _complete(self, run: Run) -> None:
         state, claim = run._state, run._claim
         assert state is not None and claim is not None
+        _stop_heartbeat(run)  # the completion is fenced; a renewal must not race it
         try:
             body = json.dumps(run.result, separators=(",", ":"), allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
@@ -303,9 +307,14 @@ class Once:
         state, claim = run._state, run._claim
         assert state is not None and claim is not None
         run._unit = atomic.Unit(state.require_db(), state.store, claim, None)
+        if run._lease is not None:
+            heartbeat.hold(run._lease)  # a renewal under way must not race the lock or snapshot
         try:
             run._unit.begin()
+            if run._lease is not None and not run._unit.locks_row:
+                heartbeat.resume(run._lease)  # a row lock, where taken, holds the key instead
         except atomic.LeaseLost:
+            _stop_heartbeat(run)
             run.owned = False
             _lease_lost(run, "begin")
             raise JobLeaseLost("once(): the key was taken over before the work began.") from None
@@ -317,6 +326,7 @@ class Once:
         """Give the key back so the next delivery runs the work (C17, C20)."""
         state, claim = run._state, run._claim
         assert state is not None and claim is not None
+        _stop_heartbeat(run)
         run.owned = False
         if run._unit is not None:
             run._unit.rollback()  # nothing the work wrote survives a release
@@ -331,6 +341,38 @@ class Once:
             return
         state.wakeups.announce(run.key_digest, "released")
         _send(signals.claim_released, run, reason=reason, status=None)
+
+
+def _start_heartbeat(state: AppState, run: Run, lease: float) -> None:
+    """Renew the owner's lease while the work runs (C44), unless the app turned it off."""
+    if not state.settings.heartbeat:
+        return
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    claim = run._claim
+    assert claim is not None
+
+    def report(reason: str) -> None:  # runs on the renewal thread
+        log.warning(
+            "idempotency: the lease on %s could not be renewed (%s)", run.ident.path, reason
+        )
+        if signals.lease_renewal_failed.receivers:
+            signals.send(
+                signals.lease_renewal_failed,
+                app,
+                key_digest=run.ident.key_digest,
+                scope=run.ident.scope,
+                route="once:" + run.ident.path,
+                duration=time.perf_counter() - run._started,
+                reason=reason,
+            )
+
+    run._lease = heartbeat.start(state.store, claim, lease, state.settings.max_runtime, report)
+
+
+def _stop_heartbeat(run: Run) -> None:
+    if run._lease is not None:
+        heartbeat.stop(run._lease)
+        run._lease = None
 
 
 def job_fingerprint(name: str, payload: Any) -> str:
@@ -362,23 +404,16 @@ def _wait_for_owner(
     state: AppState, run: Run, record: Record, ttl: float, lease: float, wait: float
 ) -> Claim | Completed | Record:
     """Park until the owner finishes or its lease lapses (C10–C13), as a request does."""
-    deadline = time.monotonic() + wait
-    outcome: Claim | Completed | Record = record
     parked_at = time.perf_counter()
-    try:
-        with state.wakeups.parked(run.key_digest) as parked:
-            live = parked.cross_process_live
-            polls = PollSchedule(first=0.1 if live else 0.025, cap=1.0 if live else 0.5)
-            while True:
-                outcome = _look_up(state, run, ttl, lease)
-                if not _in_flight(run, outcome):
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                parked.wait(min(remaining, polls.next()))
-    except TooManyWaiters:
-        log.warning("idempotency: too many parked callers in this process; not waiting")
+    current: Claim | Completed | Record = record
+    outcome = wait_for_owner(
+        state.wakeups,
+        run.key_digest,
+        current,
+        wait=wait,
+        recheck=lambda: _look_up(state, run, ttl, lease),
+        in_flight=lambda found: _in_flight(run, found),
+    )
     _send(
         signals.request_waited,
         run,

@@ -29,7 +29,7 @@ from .problems import InvalidKeyProblem, KeyReused, MissingKey, RequestInProgres
 from .records import IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .responses import capture, replay
 from .store import StoreError, StoreMisconfigured
-from .wakeup import PollSchedule, TooManyWaiters
+from .wakeup import wait_for_owner
 
 if TYPE_CHECKING:
     from .extension import AppState
@@ -189,25 +189,16 @@ def _wait_for_original(decision: _Decision, record: Record) -> Claim | Completed
     wait = decision.options.wait
     if wait <= 0:
         return record
-    hub = decision.state.wakeups
-    deadline = time.monotonic() + wait
     parked_at = time.perf_counter()
-    outcome: Claim | Completed | Record = record
-    try:
-        with hub.parked(decision.ident.key_digest) as parked:
-            # With pub/sub confirmed, polling is only the safety net for a lost message.
-            live = parked.cross_process_live
-            polls = PollSchedule(first=0.1 if live else 0.025, cap=1.0 if live else 0.5)
-            while True:
-                outcome = _look_up(decision)
-                if not _in_flight(decision, outcome):
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                parked.wait(min(remaining, polls.next()))
-    except TooManyWaiters:
-        log.warning("idempotency: too many parked requests in this process; answering 409")
+    current: Claim | Completed | Record = record
+    outcome = wait_for_owner(
+        decision.state.wakeups,
+        decision.ident.key_digest,
+        current,
+        wait=wait,
+        recheck=lambda: _look_up(decision),
+        in_flight=lambda found: _in_flight(decision, found),
+    )
     _emit(
         signals.request_waited,
         decision,

@@ -31,6 +31,7 @@ from sqlalchemy.schema import CreateIndex, CreateTable
 
 from .records import COMPLETED, IN_PROGRESS
 from .store import DurableStore, _describe, _optional_int
+from .store_dialects import MYSQL_FAMILY
 from .table import db_now_ms
 
 T = TypeVar("T")
@@ -188,6 +189,8 @@ class Maintenance:
         if from_expiry is not None:
             condition = and_(condition, t.c.expires_at_ms >= from_expiry)
         doomed = select(t.c.id).where(condition).order_by(t.c.expires_at_ms).limit(batch_size)
+        if self.store.dialect in MYSQL_FAMILY:
+            return self._run(lambda conn: self._prune_batch_mysql(conn, condition, batch_size))
         if self.store.dialect != "postgresql":
             # SQLite removes index entries as it deletes: no cursor needed, and no
             # DELETE … RETURNING, which only SQLite 3.35 and later understand.
@@ -204,6 +207,27 @@ class Maintenance:
             return PruneBatch(len(expiries), max(expiries, default=from_expiry))
 
         return self._run(run)
+
+    def _prune_batch_mysql(self, conn: Connection, condition: Any, batch_size: int) -> PruneBatch:
+        """MySQL/MariaDB: no ``LIMIT`` in an ``IN`` subquery, no ``DELETE … RETURNING``.
+
+        The batch's rows are picked and locked with ``FOR UPDATE SKIP LOCKED`` (rows
+        a request or another prune holds are left for the next run), then deleted
+        by primary key with the condition checked again, in one short transaction.
+        """
+        t = self.table
+        picked = conn.execute(
+            select(t.c.id, t.c.expires_at_ms)
+            .where(condition)
+            .order_by(t.c.expires_at_ms)
+            .limit(batch_size)
+            .with_for_update(skip_locked=True)
+        ).all()
+        if not picked:
+            return PruneBatch(0, None)
+        ids = [row.id for row in picked]
+        deleted = conn.execute(delete(t).where(t.c.id.in_(ids), condition)).rowcount
+        return PruneBatch(int(deleted), max(row.expires_at_ms for row in picked))
 
     # -- stats --------------------------------------------------------------------------
 

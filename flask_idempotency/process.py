@@ -143,6 +143,14 @@ def running_listeners() -> list[WakeupListener]:
 
 # -- fork ---------------------------------------------------------------------------------
 
+#: Resets of other per-process parts (the lease heartbeat), run by the one fork hook.
+_fork_resets: list[Callable[[], None]] = []
+
+
+def at_fork(reset: Callable[[], None]) -> None:
+    """Run ``reset`` in every forked child, after the resets above."""
+    _fork_resets.append(reset)
+
 
 def _after_fork_in_child() -> None:
     """Reset everything per-process: the child starts afresh on first need."""
@@ -160,6 +168,8 @@ def _after_fork_in_child() -> None:
             engine.dispose(close=False)
         except Exception as exc:  # pragma: no cover - defensive: never break a fork
             log.warning("idempotency: resetting an engine after fork failed: %s", exc)
+    for reset in _fork_resets:
+        reset()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

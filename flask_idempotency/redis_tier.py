@@ -137,6 +137,24 @@ def _names_prefix(prefix: str, origin: str) -> str:
     return f"{prefix}:{origin}" if origin else prefix
 
 
+class ShardOutages:
+    """One :class:`Outage` per cluster master, found from the client's slot map (no I/O)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._by_node: dict[str, Outage] = {}
+
+    def for_digest(self, key_digest: str, fallback: Outage) -> Outage:
+        try:
+            name = str(self._client.get_node_from_key(f"{{{key_digest}}}").name)
+        except Exception:
+            return fallback  # no slot map yet (the cluster is unreachable): the tier's own
+        outage = self._by_node.get(name)
+        if outage is None:
+            outage = self._by_node.setdefault(name, Outage())
+        return outage
+
+
 class RedisCache:
     """:class:`~flask_idempotency.cache.ResponseCache` on Redis (single node, Sentinel, Cluster).
 
@@ -151,12 +169,21 @@ class RedisCache:
         prefix: str = "idem",
         origin: str | Callable[[], str] = "",
         outage: Outage | None = None,
+        shards: ShardOutages | None = None,
     ) -> None:
         self._client = client
         self.prefix = prefix
         self._origin = _Origin(origin)
         self.outage = outage or Outage()
+        self._shards = shards
         self._foreign_logged = False
+
+    def outage_for(self, key_digest: str | None) -> Outage:
+        """The back-off that guards this record's node: on a cluster, one per master, so a
+        lost shard does not switch the cache off for the others."""
+        if self._shards is None or key_digest is None:
+            return self.outage
+        return self._shards.for_digest(key_digest, self.outage)
 
     @property
     def origin(self) -> str:
@@ -189,7 +216,7 @@ class RedisCache:
         return Completed.from_json(body)
 
     def get(self, key_digest: str) -> Completed | None:
-        if not self.outage.allows():
+        if not self.outage_for(key_digest).allows():
             return None
         try:
             name = self.record_name(key_digest)
@@ -197,7 +224,7 @@ class RedisCache:
         except Exception as exc:
             self._failed(exc, "get", key_digest)
             return None
-        self._succeeded()
+        self._succeeded(key_digest)
         if raw is None:
             return None
         try:
@@ -216,18 +243,18 @@ class RedisCache:
             raw = self._client.get(self.record_name(key_digest))
         except Exception:
             return None
-        self._succeeded()
+        self._succeeded(key_digest)
         return None if raw is None else self._decode(raw, key_digest)
 
     def promote(self, key_digest: str, record: Completed, ttl_ms: int) -> None:
-        if ttl_ms <= 0 or not self.outage.allows():
+        if ttl_ms <= 0 or not self.outage_for(key_digest).allows():
             return
         try:
             self._client.set(self.record_name(key_digest), self._encode(record), px=ttl_ms)
         except Exception as exc:
             self._failed(exc, "promote", key_digest)
             return
-        self._succeeded()
+        self._succeeded(key_digest)
 
     def promote_and_publish(
         self, key_digest: str, record: Completed, ttl_ms: int, notifier: Any, event: str
@@ -255,14 +282,14 @@ class RedisCache:
         return True
 
     def discard(self, key_digest: str) -> None:
-        if not self.outage.allows():
+        if not self.outage_for(key_digest).allows():
             return
         try:
             self._client.delete(self.record_name(key_digest))
         except Exception as exc:
             self._failed(exc, "discard", key_digest)
             return
-        self._succeeded()
+        self._succeeded(key_digest)
 
     def ping(self) -> bool:
         """Whether Redis answers now (respects the outage back-off); for health checks."""
@@ -277,10 +304,10 @@ class RedisCache:
         return True
 
     def _failed(self, exc: BaseException, action: str, key_digest: str | None) -> None:
-        _report_failure(self.outage, exc, action, key_digest)
+        _report_failure(self.outage_for(key_digest), exc, action, key_digest)
 
-    def _succeeded(self) -> None:
-        _report_success(self.outage)
+    def _succeeded(self, key_digest: str | None = None) -> None:
+        _report_success(self.outage_for(key_digest))
 
 
 class RedisNotifier:
@@ -348,6 +375,90 @@ class RedisNotifier:
         self.listener.stop()
 
 
+class ClusterNotifier(RedisNotifier):
+    """Wake-ups on a Redis Cluster: sharded pub/sub on Redis 7+, plain ``PUBLISH`` before.
+
+    A record's ``done``/``released`` goes to the channel of the master holding the
+    record's slot (see :mod:`~flask_idempotency.redis_topology`).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        subscriber: Callable[[], Any],
+        shards: ShardOutages | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(client, **kwargs)
+        self._subscriber = subscriber
+        self._shards = shards
+        self._sharded: bool | None = None
+        self._tags: dict[str, str] = {}
+        self._tags_at = 0.0
+
+    def shard_channel(self, tag: str) -> str:
+        return f"{self.channel}:{{{tag}}}"
+
+    def _is_sharded(self) -> bool:
+        if self._sharded is None:
+            from .redis_topology import supports_sharded_pubsub
+
+            self._sharded = supports_sharded_pubsub(self._client)
+        return self._sharded
+
+    def _tag_for(self, key_digest: str) -> str | None:
+        from .redis_topology import TOPOLOGY_CHECK_INTERVAL, shard_tag_for_key, shard_tags
+
+        now = time.monotonic()
+        if not self._tags or now - self._tags_at > TOPOLOGY_CHECK_INTERVAL:
+            self._tags, self._tags_at = shard_tags(self._client), now
+        return shard_tag_for_key(self._client, f"{{{key_digest}}}", self._tags)
+
+    def publish(self, key_digest: str, event: str) -> None:
+        outage = (
+            self.outage
+            if self._shards is None
+            else self._shards.for_digest(key_digest, self.outage)
+        )
+        if not outage.allows():
+            return
+        payload = self.wakeup_payload(key_digest, event)
+        try:
+            if self._is_sharded():
+                tag = self._tag_for(key_digest)
+                if tag is None:
+                    raise RuntimeError("no master owns this record's slot")
+                self._client.spublish(self.shard_channel(tag), payload)
+            else:
+                self._client.publish(self.channel, payload)
+        except Exception as exc:
+            self._tags = {}  # a failover or resharding: look at the slot map again
+            _report_failure(outage, exc, "publish", key_digest)
+            return
+        _report_success(outage)
+
+    @property
+    def listener(self) -> WakeupListener:
+        channel = self.channel
+        first_wait = self._first_wait
+        if self._is_sharded():
+            from .redis_topology import ShardedSubscriber
+
+            subscriber = self._subscriber
+            shard_channel = self.shard_channel
+
+            def connect() -> Any:
+                return ShardedSubscriber(subscriber(), shard_channel)
+
+        else:
+            connect = self._subscriber
+        return listener_for(
+            (self._listener_base, channel),
+            lambda: WakeupListener(connect, channel, first_wait=first_wait),
+        )
+
+
 class RedisTier:
     """A cache and a notifier on one Redis client: the pair the extension builds."""
 
@@ -360,18 +471,35 @@ class RedisTier:
         listener_key: Hashable | None = None,
         listener_connect: Callable[[], Any] | None = None,
         first_wait: float = 0.5,
+        cluster: bool = False,
     ) -> None:
         self.outage = Outage()
-        self.cache = RedisCache(client, prefix=prefix, origin=origin, outage=self.outage)
-        self.notifier = RedisNotifier(
-            client,
-            prefix=prefix,
-            origin=origin,
-            outage=self.outage,
-            listener_key=listener_key,
-            listener_connect=listener_connect,
-            first_wait=first_wait,
+        shards = ShardOutages(client) if cluster else None
+        self.cache = RedisCache(
+            client, prefix=prefix, origin=origin, outage=self.outage, shards=shards
         )
+        self.notifier: RedisNotifier
+        if cluster:
+            self.notifier = ClusterNotifier(
+                client,
+                subscriber=listener_connect or (lambda: client),
+                shards=shards,
+                prefix=prefix,
+                origin=origin,
+                outage=self.outage,
+                listener_key=listener_key,
+                first_wait=first_wait,
+            )
+        else:
+            self.notifier = RedisNotifier(
+                client,
+                prefix=prefix,
+                origin=origin,
+                outage=self.outage,
+                listener_key=listener_key,
+                listener_connect=listener_connect,
+                first_wait=first_wait,
+            )
 
     # The pair's calls, for tools and tests that hold a tier rather than an app.
     def get(self, key_digest: str) -> Completed | None:
@@ -412,46 +540,110 @@ class RedisTier:
     ) -> RedisTier:
         """The tier for an app: from a given ``client`` or the URL, never waiting on Redis
         longer than ``IDEMPOTENCY_REDIS_SOCKET_TIMEOUT`` (C24)."""
+        from . import redis_topology as topology
+
         timeout = settings.redis_socket_timeout
         first_wait = min(1.0, max(0.25, 5 * timeout))
+        common: dict[str, Any] = {
+            "prefix": settings.redis_prefix,
+            "origin": origin,
+            "first_wait": first_wait,
+        }
         if client is not None:
+            if topology.is_cluster_client(client):
+                bounded = topology.bounded_cluster(
+                    client, socket_timeout=timeout, connect_timeout=timeout
+                )
+                subscriber: list[Any] = []
+
+                def cluster_subscriber() -> Any:
+                    if not subscriber:
+                        subscriber.append(
+                            topology.bounded_cluster(
+                                client, socket_timeout=10.0, connect_timeout=max(1.0, timeout)
+                            )
+                        )
+                    return subscriber[0]
+
+                return cls(
+                    bounded,
+                    listener_key=("client", client),
+                    listener_connect=cluster_subscriber,
+                    cluster=True,
+                    **common,
+                )
             # Commands get the bounded client; the listener keeps the given one (its
             # reads are bounded by its own ticks and heartbeat, in its own thread).
             bounded = bounded_client(client, socket_timeout=timeout, connect_timeout=timeout)
             return cls(
                 bounded,
-                prefix=settings.redis_prefix,
-                origin=origin,
                 listener_key=("client", client),
                 listener_connect=lambda: client,
-                first_wait=first_wait,
+                **common,
             )
         url = settings.redis_url
         assert url, "RedisTier needs IDEMPOTENCY_REDIS_URL or a client"
+        kind = topology.parse_topology(url)
+        slow = max(1.0, timeout)
+        if kind == "cluster":
+            # RedisCluster reads the slot map when built: not at init_app, on first use.
+            build_commands: Callable[[], Any] = lambda: _Lazy(  # noqa: E731
+                lambda: topology.cluster_from_url(
+                    url, socket_timeout=timeout, connect_timeout=timeout
+                )
+            )
+            build_subscriber: Callable[[], Any] = lambda: topology.cluster_from_url(  # noqa: E731
+                url, socket_timeout=10.0, connect_timeout=slow
+            )
+        elif kind == "sentinel":
+
+            def master() -> topology.SentinelMaster:
+                return process.shared(
+                    ("redis-sentinel", url, timeout),
+                    lambda: topology.SentinelMaster(
+                        url, socket_timeout=timeout, connect_timeout=timeout
+                    ),
+                )
+
+            build_commands = lambda: master().command_client(  # noqa: E731
+                socket_timeout=timeout, connect_timeout=timeout
+            )
+            build_subscriber = lambda: topology.SentinelSubscriber(  # noqa: E731
+                master(), master().client(socket_timeout=10.0, connect_timeout=slow)
+            )
+        else:
+            build_commands = lambda: _client_from_url(  # noqa: E731
+                url, socket_timeout=timeout, connect_timeout=timeout
+            )
+            build_subscriber = lambda: _client_from_url(  # noqa: E731
+                url, socket_timeout=10.0, connect_timeout=slow
+            )
         # One command client per URL and timeout in this process, shared by its apps (9.8).
-        command_client = process.shared(
-            ("redis-commands", url, timeout),
-            lambda: _client_from_url(url, socket_timeout=timeout, connect_timeout=timeout),
-        )
+        command_client = process.shared(("redis-commands", url, timeout), build_commands)
 
         def subscriber_client() -> Any:
             # Built in the listener thread on first need; a blocking read must not be
             # cut short by the command timeout, so it gets its own, longer one.
-            return process.shared(
-                ("redis-subscriber", url),
-                lambda: _client_from_url(
-                    url, socket_timeout=10.0, connect_timeout=max(1.0, timeout)
-                ),
-            )
+            return process.shared(("redis-subscriber", url), build_subscriber)
 
         return cls(
             command_client,
-            prefix=settings.redis_prefix,
-            origin=origin,
             listener_key=("url", url),
             listener_connect=subscriber_client,
-            first_wait=first_wait,
+            cluster=kind == "cluster",
+            **common,
         )
+
+
+class _Lazy:
+    """A client built on first use; a failure to build is a failed command (C24)."""
+
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self._build = build
+        self._slot: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(process.once(self._slot, self._build), name)
 
 
 # -- outage bookkeeping (shared by the cache and the notifier) ------------------------

@@ -9,9 +9,10 @@ isolation the conflict surfaces as a serialization failure, which is retried).
 No pooled connection has its isolation level switched for us: a switch is
 undone when the connection returns to the pool, and undoing it on a connection
 the network has cut raises outside SQLAlchemy's error handling and loses the
-pool slot. The claim is ``INSERT … ON CONFLICT DO NOTHING RETURNING``: the unique index lets
-exactly one of any number of concurrent inserters win. Every write an owner
-makes afterwards is fenced by its lock token.
+pool slot. The claim is an INSERT that does nothing when the key is taken
+(``store_dialects`` has the per-database form): the unique index lets exactly one
+of any number of concurrent inserters win. Every write an owner makes afterwards
+is fenced by its lock token.
 """
 
 from __future__ import annotations
@@ -38,14 +39,13 @@ from sqlalchemy import (
     literal,
     not_,
     select,
-    text,
     true,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from . import process
+from . import store_dialects as dialects
 from .records import COMPLETED, IN_PROGRESS, Claim, Identity, Record, StoredResponse
 from .table import db_now_ms, idempotency_table
 
@@ -53,10 +53,6 @@ log = logging.getLogger("flask_idempotency")
 
 T = TypeVar("T")
 
-#: SQLSTATEs that mean "run it again": serialization failure, deadlock (C26, R96).
-_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
-#: SQLSTATE of ``lock_timeout``: a live transaction holds the row (atomic mode, R38).
-_LOCK_NOT_AVAILABLE = "55P03"
 _ATTEMPTS = 4
 
 
@@ -73,7 +69,7 @@ class StoreMisconfigured(StoreError):
 
 
 class DurableStore:
-    """SQLAlchemy Core access to the records table, on PostgreSQL or SQLite."""
+    """SQLAlchemy Core access to the records table, on PostgreSQL, MySQL/MariaDB or SQLite."""
 
     def __init__(
         self,
@@ -272,7 +268,10 @@ class DurableStore:
         else:
             if self.async_claim and conn.dialect.name == "postgresql":
                 conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
-            row = conn.execute(self._claim_statement(), params).first()
+            result = conn.execute(self._claim_statement(), params)
+            if not result.returns_rows:
+                return None  # MySQL/MariaDB: the SELECT that follows tells the winner
+            row = result.first()
         return None if row is None else Claim(row.id, token, row.expires_at_ms, "new")
 
     def _asynchronous_claim_sql(self, conn: Connection) -> tuple[str, dict[str, Any]] | None:
@@ -366,31 +365,24 @@ class DurableStore:
         if stmt is None:
             t = self.table
             now = db_now_ms()
-            stmt = self._claim_stmt = (
-                self._insert_construct()
-                .values(
-                    key_digest=bindparam("p_key_digest", type_=t.c.key_digest.type),
-                    scope=bindparam("p_scope", type_=t.c.scope.type),
-                    fingerprint=bindparam("p_fingerprint", type_=t.c.fingerprint.type),
-                    method=bindparam("p_method", type_=t.c.method.type),
-                    path=bindparam("p_path", type_=t.c.path.type),
-                    state=IN_PROGRESS,
-                    lock_token=bindparam("p_lock_token", type_=t.c.lock_token.type),
-                    created_at_ms=now,
-                    expires_at_ms=now + bindparam("p_ttl_ms", type_=BigInteger()),
-                    lease_expires_at_ms=now + bindparam("p_lease_ms", type_=BigInteger()),
-                )
-                .on_conflict_do_nothing(index_elements=[t.c.key_digest])
-                .returning(t.c.id, t.c.expires_at_ms)
-            )
+            values: dict[str, Any] = {
+                "key_digest": bindparam("p_key_digest", type_=t.c.key_digest.type),
+                "scope": bindparam("p_scope", type_=t.c.scope.type),
+                "fingerprint": bindparam("p_fingerprint", type_=t.c.fingerprint.type),
+                "method": bindparam("p_method", type_=t.c.method.type),
+                "path": bindparam("p_path", type_=t.c.path.type),
+                "state": IN_PROGRESS,
+                "lock_token": bindparam("p_lock_token", type_=t.c.lock_token.type),
+                "created_at_ms": now,
+                "expires_at_ms": now + bindparam("p_ttl_ms", type_=BigInteger()),
+                "lease_expires_at_ms": now + bindparam("p_lease_ms", type_=BigInteger()),
+            }
+            try:
+                stmt = dialects.insert_or_nothing(self.dialect, t, values)
+            except ValueError as exc:
+                raise StoreError(str(exc)) from None
+            self._claim_stmt = stmt
         return stmt
-
-    def _insert_construct(self) -> Any:
-        if self.dialect == "postgresql":
-            return postgresql.insert(self.table)
-        if self.dialect == "sqlite":
-            return sqlite.insert(self.table)
-        raise StoreError(f"the {self.dialect} dialect is not supported (PostgreSQL or SQLite)")
 
     def _replace_expired(
         self, record: Record, ident: Identity, token: str, ttl_ms: int, lease_ms: int
@@ -420,10 +412,11 @@ class DurableStore:
                 response_body=None,
                 body_omitted=False,
             )
-            .returning(t.c.expires_at_ms)
         )
-        row = self._run_locked(lambda conn: conn.execute(stmt).first())
-        return None if row is None else Claim(record.id, token, row.expires_at_ms, "replaced")
+        expires = self._run_locked(
+            lambda conn: self._update_returning_expiry(conn, stmt, record.id)
+        )
+        return None if expires is None else Claim(record.id, token, expires, "replaced")
 
     def _take_over(self, record: Record, token: str, lease_ms: int) -> Claim | None:
         """Take a lapsed lease with one conditional UPDATE; among racers one wins (C13)."""
@@ -437,10 +430,26 @@ class DurableStore:
                 t.c.lease_expires_at_ms <= now,
             )
             .values(lock_token=token, lease_expires_at_ms=now + lease_ms)
-            .returning(t.c.expires_at_ms)
         )
-        row = self._run_locked(lambda conn: conn.execute(stmt).first())
-        return None if row is None else Claim(record.id, token, row.expires_at_ms, "taken_over")
+        expires = self._run_locked(
+            lambda conn: self._update_returning_expiry(conn, stmt, record.id)
+        )
+        return None if expires is None else Claim(record.id, token, expires, "taken_over")
+
+    def _update_returning_expiry(self, conn: Connection, stmt: Any, record_id: Any) -> int | None:
+        """Run a conditional UPDATE of one record; its expiry if it matched, else ``None``.
+
+        Where ``UPDATE … RETURNING`` is missing (MySQL, MariaDB) the matched-row count
+        decides, and the row, now locked by this transaction, is read back.
+        """
+        if dialects.returns_from_update(conn.dialect.name):
+            row = conn.execute(stmt.returning(self.table.c.expires_at_ms)).first()
+            return None if row is None else int(row.expires_at_ms)
+        if conn.execute(stmt).rowcount != 1:
+            return None
+        t = self.table
+        expiry = select(t.c.expires_at_ms).where(t.c.id == record_id)
+        return int(conn.execute(expiry).scalar_one())
 
     def _run_locked(self, work: Callable[[Connection], T]) -> T | None:
         """Run ``work`` so that it does not queue behind another owner's row lock.
@@ -452,14 +461,13 @@ class DurableStore:
         """
 
         def attempt(conn: Connection) -> T:
-            if self.dialect == "postgresql":
-                conn.execute(text("SET LOCAL lock_timeout = '500ms'"))
-            return work(conn)
+            with dialects.lock_wait_bounded(conn):
+                return work(conn)
 
         try:
-            return self._run(attempt)
+            return self._run(attempt, lock_wait_is_final=True)
         except StoreError as exc:
-            if _sqlstate(exc.__cause__) == _LOCK_NOT_AVAILABLE:
+            if dialects.is_lock_unavailable(exc.__cause__):
                 return None
             raise
 
@@ -494,6 +502,8 @@ class DurableStore:
                 bindparam("p_body", type_=t.c.response_body.type),
                 bindparam("p_body_omitted", type_=t.c.body_omitted.type),
             )
+            if dialects.returns_from_update(self.dialect):
+                stmt = self._complete_stmt = stmt.returning(t.c.expires_at_ms)
         params = {
             "p_record_id": claim.record_id,
             "p_lock_token": claim.lock_token,
@@ -513,7 +523,11 @@ class DurableStore:
         def complete_own(conn: Connection) -> int | None:
             nonlocal attempts
             attempts += 1
-            row = conn.execute(stmt, params).first()
+            result = conn.execute(stmt, params)
+            if result.returns_rows:
+                row = result.first()
+            else:  # MySQL/MariaDB: the matched-row count decides
+                row = conn.execute(applied).first() if result.rowcount == 1 else None
             if row is None and attempts > 1:
                 # An earlier attempt's COMMIT may have reached the server with its reply
                 # lost: the completed row still carries our token (C14).
@@ -522,14 +536,14 @@ class DurableStore:
 
         return self._run(complete_own, self._single())
 
-    def completion_statement(self, claim: Claim, response: StoredResponse) -> Any:
-        """The fenced UPDATE that completes a record, returning its expiry.
+    def complete_in(self, executor: Any, claim: Claim, response: StoredResponse) -> int | None:
+        """Complete the record inside the caller's transaction (``executor``: a Session or
+        Connection); the record's expiry, or ``None`` if the lease was lost (C14, C40).
 
-        Run inside the view's transaction in atomic mode, where it also locks the
-        row until that transaction commits; :meth:`complete` runs the same UPDATE
-        built once, with these values as parameters.
+        In atomic mode this runs in the view's transaction, where the UPDATE also
+        locks the row until that transaction commits.
         """
-        return self._completion(
+        stmt = self._completion(
             claim.record_id,
             claim.lock_token,
             response.status,
@@ -537,6 +551,26 @@ class DurableStore:
             response.body,
             response.body_omitted,
         )
+        t = self.table
+        if dialects.returns_from_update(self.dialect):
+            row = executor.execute(stmt.returning(t.c.expires_at_ms)).first()
+            return None if row is None else int(row.expires_at_ms)
+        if executor.execute(stmt).rowcount != 1:
+            return None
+        expiry = select(t.c.expires_at_ms).where(t.c.id == claim.record_id)
+        return int(executor.execute(expiry).scalar_one())
+
+    def completion_statement(self, claim: Claim, response: StoredResponse) -> Any:
+        """The fenced UPDATE that completes a record, returning its expiry (PostgreSQL and
+        SQLite; :meth:`complete_in` works on every dialect)."""
+        return self._completion(
+            claim.record_id,
+            claim.lock_token,
+            response.status,
+            response.headers_json(),
+            response.body,
+            response.body_omitted,
+        ).returning(self.table.c.expires_at_ms)
 
     def _completion(
         self, record_id: Any, lock_token: Any, status: Any, headers: Any, body: Any, omitted: Any
@@ -557,7 +591,6 @@ class DurableStore:
                 completed_at_ms=db_now_ms(),
                 lease_expires_at_ms=None,
             )
-            .returning(t.c.expires_at_ms)
         )
 
     def release(self, claim: Claim) -> bool:
@@ -618,21 +651,27 @@ class DurableStore:
             return renewed
 
         try:
-            with (engine or self.engine).begin() as conn:
-                if conn.dialect.name == "postgresql":
-                    conn.execute(text("SET LOCAL lock_timeout = '500ms'"))
+            with (engine or self.engine).begin() as conn, dialects.lock_wait_bounded(conn):
                 return renew_all(conn)
         except SQLAlchemyError as exc:
             raise StoreError(_describe(exc)) from exc
 
     # -- running statements --------------------------------------------------------------
 
-    def _run(self, work: Callable[[Connection], T], single: Engine | None = None) -> T:
+    def _run(
+        self,
+        work: Callable[[Connection], T],
+        single: Engine | None = None,
+        *,
+        lock_wait_is_final: bool = False,
+    ) -> T:
         """Run ``work`` with bounded retries of transient failures; else raise :class:`StoreError`.
 
-        Retried: serialization failures and deadlocks (C26), and a pooled
-        connection that turned out to be dead (the database restarted). Anything
-        else, or running out of attempts, is a store outage for the caller.
+        Retried: serialization failures, deadlocks and lock-wait timeouts (C26),
+        and a pooled connection that turned out to be dead (the database
+        restarted). Anything else, or running out of attempts, is a store outage
+        for the caller. ``lock_wait_is_final``: a lock wait that timed out is an
+        answer for the caller (:meth:`_run_locked`), not retried.
         """
         for attempt in range(_ATTEMPTS):
             try:
@@ -644,7 +683,9 @@ class DurableStore:
             except DBAPIError as exc:
                 if _is_schema_error(exc):
                     raise StoreMisconfigured(self._schema_help(exc)) from exc
-                retryable = _sqlstate(exc) in _RETRYABLE_SQLSTATES or (
+                if lock_wait_is_final and dialects.is_lock_unavailable(exc):
+                    raise StoreError(_describe(exc)) from exc
+                retryable = dialects.is_retryable(exc) or (
                     exc.connection_invalidated and attempt == 0
                 )
                 if not retryable or attempt == _ATTEMPTS - 1:
@@ -703,11 +744,6 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _sqlstate(exc: BaseException | None) -> str | None:
-    orig = getattr(exc, "orig", exc)
-    return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
-
-
 #: SQLSTATEs / messages of "no such table" and "no such column" (C45).
 _SCHEMA_SQLSTATES = frozenset({"42P01", "42703", "42S02", "42S22"})
 _SCHEMA_MYSQL_ERRNOS = frozenset({1146, 1054})
@@ -715,13 +751,16 @@ _SCHEMA_MESSAGES = ("no such table", "no such column", "has no column named")
 
 
 def _is_schema_error(exc: DBAPIError) -> bool:
-    if _sqlstate(exc) in _SCHEMA_SQLSTATES:
+    if dialects.sqlstate(exc) in _SCHEMA_SQLSTATES:
         return True
-    args = getattr(exc.orig, "args", ())
-    if args and isinstance(args[0], int) and args[0] in _SCHEMA_MYSQL_ERRNOS:
+    if dialects.mysql_errno(exc) in _SCHEMA_MYSQL_ERRNOS:
         return True
     message = str(exc.orig).lower()
     return any(m in message for m in _SCHEMA_MESSAGES)
+
+
+#: The SQLSTATE of a driver error (``atomic`` reads it too).
+_sqlstate = dialects.sqlstate
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,8 +1,8 @@
 """The ``idempotency_keys`` table and the database clock.
 
 Times are epoch milliseconds in BIGINT columns, read from the database's own
-clock (R77): every process compares leases and expiry against one clock, the
-same code runs on PostgreSQL and SQLite, and the Redis copy can expire at the
+clock (R77, C42): every process compares leases and expiry against one clock, the
+same code runs on PostgreSQL, MySQL/MariaDB and SQLite, and the Redis copy can expire at the
 very same instant with ``PXAT`` (C22).
 
 Schema rule: a shipped table definition never changes in place. A new column is
@@ -31,6 +31,7 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
 )
+from sqlalchemy.dialects.mysql import LONGBLOB
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
@@ -69,12 +70,19 @@ def _define(metadata: MetaData, name: str) -> Table:
         Column("completed_at_ms", BigInteger, nullable=True),
         Column("response_status", Integer, nullable=True),
         Column("response_headers", Text, nullable=True),
-        Column("response_body", LargeBinary, nullable=True),
+        # MySQL's plain BLOB stops at 64 KiB; LONGBLOB holds any stored body (C33).
+        Column(
+            "response_body",
+            LargeBinary().with_variant(LONGBLOB(), "mysql", "mariadb"),
+            nullable=True,
+        ),
         Column("body_omitted", Boolean, nullable=False, server_default=false()),
         UniqueConstraint("key_digest", name=f"uq_{name}_key_digest"),
         CheckConstraint("state IN ('in_progress', 'completed')", name=f"ck_{name}_state"),
         Index(f"ix_{name}_expires_at_ms", "expires_at_ms"),
         comment="Flask-Idempotency records: one row per (scope, Idempotency-Key).",
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
     )
 
 
@@ -94,6 +102,14 @@ def _now_ms_default(element: Any, compiler: Any, **kw: Any) -> str:
 @compiles(db_now_ms, "postgresql")
 def _now_ms_postgresql(element: Any, compiler: Any, **kw: Any) -> str:
     return "CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)"
+
+
+@compiles(db_now_ms, "mysql")
+@compiles(db_now_ms, "mariadb")
+def _now_ms_mysql(element: Any, compiler: Any, **kw: Any) -> str:
+    # NOW(3) is the statement's start, to the millisecond; UNIX_TIMESTAMP turns it
+    # back into epoch time through the session's own time zone.
+    return "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)"
 
 
 @compiles(db_now_ms, "sqlite")

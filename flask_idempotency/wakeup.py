@@ -11,10 +11,16 @@ poll interval. A wake-up is only a hint: the waiter always re-reads the store.
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+log = logging.getLogger("flask_idempotency")
+
+T = TypeVar("T")
 
 
 class TooManyWaiters(Exception):
@@ -123,3 +129,38 @@ class PollSchedule:
         interval = self._next
         self._next = min(self._cap, self._next * self._factor)
         return interval
+
+
+def wait_for_owner(
+    hub: WakeupHub,
+    key_digest: str,
+    outcome: T,
+    *,
+    wait: float,
+    recheck: Callable[[], T],
+    in_flight: Callable[[T], bool],
+) -> T:
+    """Park until the owner of ``key_digest`` settles, then return the fresh outcome (C10–C12).
+
+    Registered first, checked second: a completion between the caller's last read
+    and the wait still wakes us (X1). Each wake-up or poll tick calls ``recheck``;
+    the loop ends when ``in_flight`` says the record is no longer running, or when
+    ``wait`` seconds have passed. With pub/sub confirmed, polling is only the
+    safety net for a lost message. Requests and ``once()`` share this loop.
+    """
+    deadline = time.monotonic() + wait
+    try:
+        with hub.parked(key_digest) as parked:
+            live = parked.cross_process_live
+            polls = PollSchedule(first=0.1 if live else 0.025, cap=1.0 if live else 0.5)
+            while True:
+                outcome = recheck()
+                if not in_flight(outcome):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                parked.wait(min(remaining, polls.next()))
+    except TooManyWaiters:
+        log.warning("idempotency: too many parked requests in this process; not waiting")
+    return outcome

@@ -94,6 +94,74 @@ def pg_table() -> str:
     return f"idem_{uuid.uuid4().hex[:12]}"
 
 
+# -- MariaDB / MySQL ------------------------------------------------------------------
+
+MYSQL_BASE_URL = os.environ.get(
+    "IDEMPOTENCY_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test"
+)
+
+
+@pytest.fixture(scope="session")
+def mysql_url() -> Iterator[URL]:
+    """A private MariaDB/MySQL database for this test session (like ``pg_url``)."""
+    base = make_url(MYSQL_BASE_URL)
+    try:
+        admin = create_engine(base, connect_args={"connect_timeout": 3})
+        with admin.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        service_missing("MariaDB", f"{base.render_as_string(hide_password=True)}: {exc}")
+    name = f"idem_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
+    try:
+        yield base.set(database=name)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
+        admin.dispose()
+
+
+def _app_factory_on(make_app: Any, url: URL, table: str, created: list[Any]) -> Any:
+    def factory(config: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Flask, Idempotency]:
+        merged = {
+            "IDEMPOTENCY_DATABASE_URI": url.render_as_string(hide_password=False),
+            "IDEMPOTENCY_TABLE": table,
+        }
+        merged.update(config or {})
+        app, ext = make_app(merged, **kwargs)
+        created.append(app.extensions["idempotency"].store)
+        return app, ext
+
+    return factory
+
+
+@pytest.fixture
+def make_mysql_app(make_app: Any, mysql_url: URL, pg_table: str) -> Iterator[Any]:
+    """Like ``make_pg_app``, on this session's MariaDB database and this test's table."""
+    created: list[Any] = []
+    yield _app_factory_on(make_app, mysql_url, pg_table, created)
+    if created:
+        created[0].table.drop(created[0].engine, checkfirst=True)
+
+
+@pytest.fixture(
+    params=["postgresql+psycopg2", "postgresql+psycopg", "mariadb"],
+    ids=["psycopg2", "psycopg3", "mariadb"],
+)
+def make_server_app(request: Any, make_app: Any, pg_table: str) -> Iterator[Any]:
+    """Like ``make_pg_app``, on each server database in turn: PostgreSQL through both of
+    its drivers and MariaDB (PyMySQL), so the lifecycle rules hold on every one."""
+    if request.param == "mariadb":
+        url = request.getfixturevalue("mysql_url")
+    else:
+        url = driver_url(request.getfixturevalue("pg_url"), request.param.split("+")[1])
+    created: list[Any] = []
+    yield _app_factory_on(make_app, url, pg_table, created)
+    if created:
+        created[0].table.drop(created[0].engine, checkfirst=True)
+
+
 # -- apps ----------------------------------------------------------------------------
 
 
@@ -174,3 +242,5 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
         fixtures = getattr(item, "fixturenames", ())
         if "pg_url" in fixtures or "pg_driver_url" in fixtures:
             item.add_marker(pytest.mark.postgres)
+        if "mysql_url" in fixtures:
+            item.add_marker(pytest.mark.mysql)

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import random
+from importlib import metadata
 
 import pytest
 from flask import jsonify, request
@@ -63,6 +64,19 @@ def assert_layer_rejected(app, response, code: str) -> None:
     assert response.mimetype == "application/problem+json"
     assert json.loads(response.data)["code"] == code
     assert row_count(app) == 0
+
+
+#: Werkzeug 2.3 answers 413 itself to an urlencoded body it cannot decode (its ``ValueError``
+#: becomes ``RequestEntityTooLarge`` before any view runs); Werkzeug 3 decodes with replacement.
+WERKZEUG_REFUSES_UNDECODABLE_FORMS = int(metadata.version("werkzeug").split(".")[0]) < 3
+
+
+def refused_by_werkzeug_2(first, again, calls) -> bool:
+    """C31 on Werkzeug 2.3: Flask's own clear 413, the same each time; the view never ran."""
+    if not (WERKZEUG_REFUSES_UNDECODABLE_FORMS and first.status_code == 413):
+        return False
+    assert again.status_code == 413 and calls == []
+    return True
 
 
 def assert_handled(response) -> None:
@@ -199,6 +213,8 @@ def test_binary_bodies_with_any_content_type_never_500(app_calls, content_type: 
     first = client.post("/pay", data=body, headers=headers)
     again = client.post("/pay", data=body, headers=headers)
     assert_handled(first)
+    if "urlencoded" in content_type and refused_by_werkzeug_2(first, again, calls):
+        return
     assert first.status_code == 201
     assert again.headers.get("Idempotent-Replayed") == "true", "fingerprint is deterministic"
     assert calls == ["pay"]
@@ -290,6 +306,8 @@ def test_non_utf8_form_data_never_500(app_calls, body: bytes) -> None:
     first = client.post("/pay", **kwargs)
     again = client.post("/pay", **kwargs)
     assert_handled(first)
+    if refused_by_werkzeug_2(first, again, calls):
+        return
     assert first.status_code == 201
     assert again.headers.get("Idempotent-Replayed") == "true"
     assert calls == ["pay"]

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
-from flask_idempotency import signals
+from flask_idempotency import heartbeat, signals
 from flask_idempotency.jobs import JobInProgress, JobKeyReused
 from flask_idempotency.records import Identity
 from tests.conftest import redis_server_binary, service_missing
@@ -242,9 +242,11 @@ def test_c50_c13_a_crashed_consumers_claim_is_taken_over_after_its_lease(make_pg
     app, ext = make_pg_app()
     seen = _recorder(app)
     with app.app_context():
-        # A consumer claimed the key and died: its claim is in the table, nobody completes it.
+        # A consumer claimed the key and died: its claim is in the table, nobody completes
+        # it, and its renewer died with it.
         run = ext.once("crash", lease=1.0)._begin("crash", "once", None)
-        assert run.owned
+        assert run.owned and run._lease is not None
+        heartbeat.stop(run._lease)
         with pytest.raises(JobInProgress):
             with ext.once("crash", wait=0):
                 pass
@@ -259,7 +261,9 @@ def test_c50_c13_a_crashed_consumers_claim_is_taken_over_after_its_lease(make_pg
 def test_c50_c14_an_owner_that_lost_its_lease_cannot_overwrite_the_new_result(
     make_pg_app, caplog
 ) -> None:
-    app, ext = make_pg_app()
+    """With the heartbeat off (``IDEMPOTENCY_HEARTBEAT=False``), work that overruns its
+    lease is taken over; its late completion is fenced."""
+    app, ext = make_pg_app({"IDEMPOTENCY_HEARTBEAT": False})
     seen = _recorder(app)
     with app.app_context():
         slow = ext.once("fenced", lease=0.5)
@@ -386,6 +390,28 @@ def test_c50_stream_consumers_apply_each_message_once_despite_redelivery_and_kil
     their pending entries are redelivered to the others by XAUTOCLAIM. Each message's
     effect is a row in PostgreSQL written in ``once(atomic=True)``: exactly one per message.
     """
+    effects, started = _stream_run(pg_url, pg_table, tmp_path, atomic=True)
+    assert effects == dict.fromkeys(range(MESSAGES), 1), "one effect per message"
+    assert sum(started.values()) > MESSAGES, "no SIGKILL landed inside the work"
+
+
+@pytest.mark.slow
+def test_c50_stream_control_an_effect_committed_apart_is_duplicated_by_the_kills(
+    pg_url, pg_table, tmp_path
+) -> None:
+    """The control: the same run, but the work commits its effect itself and the record
+    completes afterwards (``atomic=False``). A SIGKILL between the two leaves an effect
+    without a result; the redelivered message runs again. This shows the proof above can
+    fail, and why effects in the database belong in ``atomic=True``."""
+    effects, _started = _stream_run(pg_url, pg_table, tmp_path, atomic=False)
+    assert set(effects) == set(range(MESSAGES)), "every message has its effect"
+    assert any(count > 1 for count in effects.values()), "no kill landed between the commits"
+
+
+def _stream_run(
+    pg_url: Any, pg_table: str, tmp_path: Path, *, atomic: bool
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Run the consumers with kills until the stream is drained; effects and starts per msg."""
     import redis
 
     server = RedisServer(redis_server_binary(), tmp_path / "redis").start()
@@ -399,6 +425,7 @@ def test_c50_stream_consumers_apply_each_message_once_despite_redelivery_and_kil
         entries = [m for m in range(MESSAGES) for _ in range(rng.choice((2, 3)))]
         rng.shuffle(entries)
         env = {
+            "STREAM_ATOMIC": "1" if atomic else "0",
             "STREAM_REDIS_URL": server.url,
             "STREAM_DATABASE_URL": pg_url.render_as_string(hide_password=False),
             "STREAM_TABLE": pg_table,
@@ -438,14 +465,14 @@ def test_c50_stream_consumers_apply_each_message_once_despite_redelivery_and_kil
         started = {m: int(client.get(f"started:{m}") or 0) for m in range(MESSAGES)}
         claimed = int(client.get("claimed") or 0)
         print(
-            f"\nstream proof: {len(entries)} entries for {MESSAGES} messages, {kills} SIGKILLs,"
-            f" {sum(deliveries.values())} deliveries ({claimed} by XAUTOCLAIM),"
-            f" {sum(started.values())} executions started, {sum(effects.values())} effects"
+            f"\nstream run (atomic={atomic}): {len(entries)} entries for {MESSAGES} messages,"
+            f" {kills} SIGKILLs, {sum(deliveries.values())} deliveries ({claimed} by"
+            f" XAUTOCLAIM), {sum(started.values())} executions started,"
+            f" {sum(effects.values())} effects"
         )
-        assert effects == dict.fromkeys(range(MESSAGES), 1), "one effect per message"
         assert all(count >= 2 for count in deliveries.values()), deliveries
         assert claimed > 0, "no entry was redelivered by XAUTOCLAIM"
-        assert sum(started.values()) > MESSAGES, "no SIGKILL landed inside the work"
+        return effects, started
     finally:
         for process in consumers.values():
             if process.poll() is None:
@@ -482,3 +509,60 @@ def test_c50_in_a_flask_cli_command(make_app) -> None:
     assert first.output.strip() == "sent 120 (now)"
     assert second.output.strip() == "sent 120 (earlier)"
     assert ran == ["2026-W47"]
+
+
+def test_c50_c44_work_that_outlasts_its_lease_keeps_the_key(make_pg_app) -> None:
+    """A live owner's lease is renewed while its work runs: a duplicate that arrives after
+    the first lease would have lapsed still finds it running and never runs it again."""
+    app, ext = make_pg_app()
+    seen = _recorder(app)
+    started, results = threading.Event(), []
+    executions: list[int] = []
+
+    @ext.once("long-report", lease=1.0, wait=0)
+    def long_report() -> str:
+        executions.append(1)
+        started.set()
+        time.sleep(3.0)  # three leases
+        return "built once"
+
+    def owner() -> None:
+        with app.app_context():
+            results.append(long_report())
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    assert started.wait(10)
+    time.sleep(1.6)  # past the first lease
+    with app.app_context():
+        with pytest.raises(JobInProgress):
+            long_report()
+        time.sleep(0.8)  # past the second
+        with pytest.raises(JobInProgress):
+            long_report()
+    thread.join(20)
+    with app.app_context():
+        assert long_report() == "built once"
+    assert executions == [1] and results == ["built once"]
+    assert "lease_taken_over" not in seen
+
+
+def test_c50_c44_max_runtime_stops_renewals_so_a_hung_owner_lets_go(make_pg_app) -> None:
+    """``IDEMPOTENCY_MAX_RUNTIME`` caps renewals; then the key is taken over and the hung
+    owner's late completion is fenced (C14)."""
+    app, ext = make_pg_app({"IDEMPOTENCY_MAX_RUNTIME": 0.5})
+    seen = _recorder(app)
+    with app.app_context():
+        hung = ext.once("hung", lease=1.0)
+        stale = hung.__enter__()
+        assert stale.owned
+        time.sleep(2.0)  # renewals stopped at 0.5 s; the lease ran out a lease later
+        with ext.once("hung", wait=0) as taker:
+            assert taker.owned
+            taker.result = "taker"
+        stale.result = "hung owner"
+        hung.__exit__(None, None, None)
+        with ext.once("hung") as duplicate:
+            assert duplicate.result == "taker"
+    assert [e["how"] for e in seen["request_executed"]] == ["new", "taken_over"]
+    assert [e["action"] for e in seen["lease_lost"]] == ["complete"]

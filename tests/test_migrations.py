@@ -162,3 +162,58 @@ def test_c29_the_migration_also_runs_on_sqlite(tmp_path: Path) -> None:
     checked = flask(url, "idempotency", "check")
     assert checked.returncode == 0, checked.stderr
     assert flask(url, "db", "check").returncode == 0
+
+
+@pytest.fixture
+def empty_mysql_database() -> Iterator[str]:
+    """A MariaDB database with nothing in it (latin1, MariaDB 10's default), dropped afterwards."""
+    from .conftest import MYSQL_BASE_URL
+
+    base = make_url(MYSQL_BASE_URL)
+    try:
+        admin = create_engine(base, connect_args={"connect_timeout": 3})
+        with admin.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        service_missing("MariaDB", str(exc))
+    name = f"idem_migr_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE `{name}` CHARACTER SET latin1"))
+    try:
+        yield base.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
+        admin.dispose()
+
+
+@pytest.mark.mysql
+def test_i16_c29_the_migration_runs_on_mariadb_with_longblob_bodies_and_utf8mb4(
+    empty_mysql_database: str,
+) -> None:
+    """C29/C33 on MariaDB: upgrade, `check` and `db check` agree with the code; the body
+    column is LONGBLOB and the table utf8mb4; downgrade removes it again."""
+    url = empty_mysql_database
+    upgraded = flask(url, "db", "upgrade")
+    assert upgraded.returncode == 0, upgraded.stderr
+    checked = flask(url, "idempotency", "check")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    autogen = flask(url, "db", "check")
+    assert autogen.returncode == 0, autogen.stdout + autogen.stderr
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            column_type, charset = conn.execute(
+                text(
+                    "SELECT c.DATA_TYPE, t.TABLE_COLLATION FROM information_schema.COLUMNS c"
+                    " JOIN information_schema.TABLES t USING (TABLE_SCHEMA, TABLE_NAME)"
+                    " WHERE c.TABLE_SCHEMA = DATABASE() AND c.TABLE_NAME = 'idempotency_keys'"
+                    " AND c.COLUMN_NAME = 'response_body'"
+                )
+            ).one()
+    finally:
+        engine.dispose()
+    assert column_type == "longblob" and charset.startswith("utf8mb4")
+    downgraded = flask(url, "db", "downgrade", "base")
+    assert downgraded.returncode == 0, downgraded.stderr
+    assert "idempotency_keys" not in tables(url)

@@ -2,7 +2,8 @@
 
 CONTRACT C7, C13, C14, C20, C21.
 
-Each test has a private table in this session's private database (``make_pg_app``).
+Each test has a private table in this session's private database, on PostgreSQL and on
+MariaDB in turn (``make_server_app``).
 Originals are parked on Events and the tests learn that duplicates are parked
 from the wake-up hub; expiry is awaited by polling the database clock.
 """
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 from flask import Flask, jsonify, request
 
-from flask_idempotency import idempotent, lifecycle, signals
+from flask_idempotency import idempotent, signals, wakeup
 from flask_idempotency.extension import create_store_engine
 from flask_idempotency.fingerprint import key_digest, request_fingerprint
 from flask_idempotency.records import Claim, Identity, StoredResponse
@@ -80,8 +81,8 @@ def parking_view(app: Flask, calls: list[str], *, first_status: int = 201, **opt
     return entered, release
 
 
-def test_c7_pg_mismatch_while_in_flight_is_422_at_once(make_pg_app) -> None:
-    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
+def test_c7_pg_mismatch_while_in_flight_is_422_at_once(make_server_app) -> None:
+    app, _ = make_server_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
     calls: list[str] = []
     entered, release = parking_view(app, calls)
     original = Background(app, "/pay", json={"amount": 1}, headers=KEY)
@@ -100,8 +101,8 @@ def test_c7_pg_mismatch_while_in_flight_is_422_at_once(make_pg_app) -> None:
     assert retry.headers.get(REPLAYED) == "true"
 
 
-def test_c21_pg_short_ttl(make_pg_app) -> None:
-    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": 0})
+def test_c21_pg_short_ttl(make_server_app) -> None:
+    app, _ = make_server_app({"IDEMPOTENCY_WAIT": 0})
     calls: list[Any] = []
 
     @app.post("/short")
@@ -125,8 +126,8 @@ def test_c21_pg_short_ttl(make_pg_app) -> None:
     assert len(rows(app)) == 1
 
 
-def test_c21_pg_replay_does_not_extend_life(make_pg_app) -> None:
-    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": 0})
+def test_c21_pg_replay_does_not_extend_life(make_server_app) -> None:
+    app, _ = make_server_app({"IDEMPOTENCY_WAIT": 0})
 
     @app.post("/pay")
     @idempotent(ttl=3600)
@@ -144,8 +145,8 @@ def test_c21_pg_replay_does_not_extend_life(make_pg_app) -> None:
     assert after["created_at_ms"] == before["created_at_ms"]
 
 
-def test_c21_pg_in_progress_with_live_lease_is_never_expired(make_pg_app) -> None:
-    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": 0})
+def test_c21_pg_in_progress_with_live_lease_is_never_expired(make_server_app) -> None:
+    app, _ = make_server_app({"IDEMPOTENCY_WAIT": 0})
     calls: list[str] = []
 
     @app.post("/pay")
@@ -166,8 +167,8 @@ def test_c21_pg_in_progress_with_live_lease_is_never_expired(make_pg_app) -> Non
     assert rows(app)[0]["lock_token"] == claim.lock_token
 
 
-def test_c13_pg_one_of_many_racing_threads_takes_over_a_lapsed_lease(make_pg_app) -> None:
-    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
+def test_c13_pg_one_of_many_racing_threads_takes_over_a_lapsed_lease(make_server_app) -> None:
+    app, _ = make_server_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
     calls: list[str] = []
     lock = threading.Lock()
     takeovers = record_signal(app, signals.lease_taken_over)
@@ -212,8 +213,8 @@ def test_c13_pg_one_of_many_racing_threads_takes_over_a_lapsed_lease(make_pg_app
     assert store.complete(crashed, store.get(rows(app)[0]["key_digest"]).response) is None
 
 
-def test_c14_pg_slow_owner_cannot_overwrite_the_takers_record(make_pg_app) -> None:
-    app, _ = make_pg_app(
+def test_c14_pg_slow_owner_cannot_overwrite_the_takers_record(make_server_app) -> None:
+    app, _ = make_server_app(
         {"IDEMPOTENCY_WAIT": 0, "IDEMPOTENCY_HEARTBEAT": False}
     )  # overruns its lease
     calls: list[str] = []
@@ -244,9 +245,9 @@ def test_c14_pg_slow_owner_cannot_overwrite_the_takers_record(make_pg_app) -> No
     assert calls == ["pay", "pay"]
 
 
-def test_c14_pg_slow_owner_cannot_release_the_takers_claim(make_pg_app) -> None:
+def test_c14_pg_slow_owner_cannot_release_the_takers_claim(make_server_app) -> None:
     """The slow owner fails (5xx) after losing its lease: its fenced release deletes nothing."""
-    app, _ = make_pg_app(
+    app, _ = make_server_app(
         {"IDEMPOTENCY_WAIT": 0, "IDEMPOTENCY_HEARTBEAT": False}
     )  # overruns its lease
     calls: list[str] = []
@@ -264,10 +265,10 @@ def test_c14_pg_slow_owner_cannot_release_the_takers_claim(make_pg_app) -> None:
     assert states(app) == ["completed"]
 
 
-def test_c20_pg_release_wakes_a_parked_waiter_which_claims(make_pg_app, monkeypatch) -> None:
+def test_c20_pg_release_wakes_a_parked_waiter_which_claims(make_server_app, monkeypatch) -> None:
     """With polling switched off, only the release's wake-up can let the waiter claim."""
-    monkeypatch.setattr(lifecycle, "PollSchedule", NoPolling)
-    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
+    monkeypatch.setattr(wakeup, "PollSchedule", NoPolling)
+    app, _ = make_server_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
     calls: list[str] = []
     released = record_signal(app, signals.claim_released)
     entered, release = parking_view(app, calls, first_status=500)
@@ -285,9 +286,11 @@ def test_c20_pg_release_wakes_a_parked_waiter_which_claims(make_pg_app, monkeypa
     assert states(app) == ["completed"]
 
 
-def test_c10_pg_completion_wakes_a_parked_waiter_which_replays(make_pg_app, monkeypatch) -> None:
-    monkeypatch.setattr(lifecycle, "PollSchedule", NoPolling)
-    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
+def test_c10_pg_completion_wakes_a_parked_waiter_which_replays(
+    make_server_app, monkeypatch
+) -> None:
+    monkeypatch.setattr(wakeup, "PollSchedule", NoPolling)
+    app, _ = make_server_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
     calls: list[str] = []
     entered, release = parking_view(app, calls)
     original = Background(app, "/pay", json={"a": 1}, headers=KEY)
@@ -304,9 +307,9 @@ def test_c10_pg_completion_wakes_a_parked_waiter_which_replays(make_pg_app, monk
     assert calls == ["pay"]
 
 
-def test_c8_pg_parallel_first_requests_with_different_bodies(make_pg_app) -> None:
+def test_c8_pg_parallel_first_requests_with_different_bodies(make_server_app) -> None:
     """R41: same key, pairwise different bodies: one executes, every other answer is 422."""
-    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
+    app, _ = make_server_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
     calls: list[int] = []
     lock = threading.Lock()
 
@@ -345,9 +348,9 @@ HOSTILE_PATHS = [
 
 
 @pytest.mark.parametrize("path", HOSTILE_PATHS)
-def test_pg_hostile_paths_never_500(make_pg_app, path: str) -> None:
+def test_pg_hostile_paths_never_500(make_server_app, path: str) -> None:
     """The request path is stored as an informational column; any path must be storable."""
-    app, _ = make_pg_app({"TESTING": False})
+    app, _ = make_server_app({"TESTING": False})
     calls: list[str] = []
 
     @app.post("/files/<path:name>")
@@ -364,8 +367,8 @@ def test_pg_hostile_paths_never_500(make_pg_app, path: str) -> None:
     assert len(calls) == 1
 
 
-def test_pg_scope_with_nul_never_500(make_pg_app) -> None:
-    app, ext = make_pg_app({"TESTING": False})
+def test_pg_scope_with_nul_never_500(make_server_app) -> None:
+    app, ext = make_server_app({"TESTING": False})
     ext.scope_loader(lambda: request.headers.get("X-Tenant", "") + "\x00suffix")
 
     @app.post("/pay")
@@ -379,8 +382,8 @@ def test_pg_scope_with_nul_never_500(make_pg_app) -> None:
     assert client.post("/pay", headers={**KEY, "X-Tenant": "b"}).headers.get(REPLAYED) is None
 
 
-def test_c12_pg_release_while_waiters_park_lets_exactly_one_rerun(make_pg_app) -> None:
-    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
+def test_c12_pg_release_while_waiters_park_lets_exactly_one_rerun(make_server_app) -> None:
+    app, _ = make_server_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
     calls: list[str] = []
     entered, release = parking_view(app, calls, first_status=500)
     original = Background(app, "/pay", json={"a": 1}, headers=KEY)
@@ -420,9 +423,9 @@ def race(app: Flask, bodies: list[Any]) -> list[Any]:
     return responses
 
 
-def expired_record_app(make_pg_app) -> tuple[Flask, list[Any]]:
+def expired_record_app(make_server_app) -> tuple[Flask, list[Any]]:
     """An app whose key-1 record is completed and already expired."""
-    app, _ = make_pg_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
+    app, _ = make_server_app({"IDEMPOTENCY_WAIT": PARK_LIMIT})
     calls: list[Any] = []
     lock = threading.Lock()
 
@@ -441,8 +444,8 @@ def expired_record_app(make_pg_app) -> tuple[Flask, list[Any]]:
     return app, calls
 
 
-def test_c21_pg_racers_replace_an_expired_record_once(make_pg_app) -> None:
-    app, calls = expired_record_app(make_pg_app)
+def test_c21_pg_racers_replace_an_expired_record_once(make_server_app) -> None:
+    app, calls = expired_record_app(make_server_app)
     responses = race(app, [{"new": 1}] * 15)
     assert calls == [{"new": 1}]
     assert all(r.status_code == 201 and r.json == {"body": {"new": 1}} for r in responses)
@@ -450,8 +453,8 @@ def test_c21_pg_racers_replace_an_expired_record_once(make_pg_app) -> None:
     assert states(app) == ["completed"]
 
 
-def test_c21_pg_racers_with_different_bodies_after_expiry(make_pg_app) -> None:
-    app, calls = expired_record_app(make_pg_app)
+def test_c21_pg_racers_with_different_bodies_after_expiry(make_server_app) -> None:
+    app, calls = expired_record_app(make_server_app)
     responses = race(app, [{"new": i} for i in range(10)])
     assert len(calls) == 1
     statuses = sorted(r.status_code for r in responses)

@@ -23,7 +23,7 @@ import requests
 from flask import Flask, jsonify, request
 from sqlalchemy.engine import URL
 
-from flask_idempotency import idempotent, lifecycle, listener, signals
+from flask_idempotency import idempotent, listener, signals, wakeup
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.wakeup import PollSchedule
 from tests.conftest import redis_server_binary
@@ -130,9 +130,7 @@ wait_for = functools.partial(_wait_until, within=EVENTUALLY)
 @pytest.fixture
 def no_poll_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Parked requests re-check only when woken: a lost wake-up is a 409, not a delay."""
-    monkeypatch.setattr(
-        lifecycle, "PollSchedule", lambda *_, **__: PollSchedule(first=600, cap=600)
-    )
+    monkeypatch.setattr(wakeup, "PollSchedule", lambda *_, **__: PollSchedule(first=600, cap=600))
 
 
 # -- C22 / C23 / X7 -------------------------------------------------------------------

@@ -23,7 +23,7 @@ import pytest
 import redis
 from flask import jsonify, request
 
-from flask_idempotency import idempotent, lifecycle, listener, signals
+from flask_idempotency import idempotent, listener, signals, wakeup
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.records import Completed
 from flask_idempotency.redis_tier import Outage, RedisTier
@@ -359,7 +359,7 @@ def two_processes(
 @pytest.fixture
 def no_poll_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Waiters re-check only when woken: a lost wake-up becomes a 409, not a delay."""
-    monkeypatch.setattr(lifecycle, "PollSchedule", lambda **_: PollSchedule(first=600, cap=600))
+    monkeypatch.setattr(wakeup, "PollSchedule", lambda **_: PollSchedule(first=600, cap=600))
 
 
 def park_hook(hub: WakeupHub, before_sleep: Callable[[], None]) -> None:

@@ -1,4 +1,4 @@
-"""The store against a real PostgreSQL whose COMMIT replies get lost (issue 9.4).
+"""The store against a real PostgreSQL or MariaDB whose COMMIT replies get lost (issue 9.4).
 
 CONTRACT C8, C13, C14, C20.
 
@@ -13,6 +13,7 @@ release happened (no false ``lease_lost``, the waiters are woken).
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,30 +27,64 @@ from flask_idempotency.records import COMPLETED, IN_PROGRESS, Claim, Record
 from flask_idempotency.table import db_now_ms
 from tests.support.tcp_proxy import TcpProxy
 
+from .conftest import driver_url
 from .test_lifecycle import KEY, REPLAYED, rows
 from .test_pg_rules import identity_of, record_signal
 
 pytestmark = pytest.mark.postgres
 
 
-@pytest.fixture
-def proxied_pg(pg_url: URL) -> Iterator[tuple[TcpProxy, str]]:
-    """This session's PostgreSQL behind a proxy that can lose one COMMIT reply."""
-    proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
-    url = pg_url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
-    yield proxy, url
+class Proxied:
+    """A server database behind a proxy that can lose one COMMIT reply, and apps on it."""
+
+    def __init__(self, proxy: TcpProxy, url: str, make: Any, commit: bytes) -> None:
+        self.proxy, self.url, self.make, self.commit = proxy, url, make, commit
+
+    def marker(self, app: Any, statement: bytes) -> tuple[bytes, int]:
+        """What to cut after, and how many earlier commits to let through, so that
+        ``statement`` is applied with its answer lost: with psycopg2 the request
+        path's statements each commit by themselves (autocommit), so the statement
+        itself and no earlier claim COMMIT; elsewhere its transaction's COMMIT, the
+        claim's being the first."""
+        store = app.extensions["idempotency"].store
+        if store.engine.dialect.driver == "psycopg2":
+            return statement, 0
+        return self.commit, 1
+
+
+@pytest.fixture(params=["psycopg2", "psycopg", "mariadb"], ids=["psycopg2", "psycopg3", "mariadb"])
+def proxied(request: Any) -> Iterator[Proxied]:
+    """PostgreSQL through both drivers, and MariaDB, each behind a proxy.
+
+    The marker is the COMMIT as the client sends it: a PostgreSQL simple query
+    (``COMMIT`` and its NUL), a MySQL ``COM_QUERY`` (command byte 3, then the text).
+    """
+    if request.param == "mariadb":
+        base: URL = request.getfixturevalue("mysql_url")
+        commit, port = b"\x03COMMIT", 3306
+    else:
+        base = driver_url(request.getfixturevalue("pg_url"), request.param)
+        commit, port = b"COMMIT\x00", 5432
+    make = request.getfixturevalue("make_app")
+    proxy = TcpProxy(base.host or "127.0.0.1", base.port or port).start()
+    url = base.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    stores: list[Any] = []
+
+    def factory(config: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        merged = {"IDEMPOTENCY_DATABASE_URI": url, "IDEMPOTENCY_TABLE": table, **(config or {})}
+        app, ext = make(merged, **kwargs)
+        stores.append(app.extensions["idempotency"].store)
+        return app, ext
+
+    table = f"idem_{uuid.uuid4().hex[:12]}"
+    yield Proxied(proxy, url, factory, commit)
+    for store in stores[:1]:
+        store.table.drop(store.engine, checkfirst=True)
     proxy.stop()
 
 
-def commit_marker(app: Any, statement: bytes) -> bytes:
-    """What to cut after so that ``statement`` is applied with its answer lost: the
-    statement itself where it commits by itself (psycopg2), else its COMMIT."""
-    store = app.extensions["idempotency"].store
-    return statement if store.engine.dialect.driver == "psycopg2" else b"COMMIT\x00"
-
-
-def counting_app(make_pg_app: Any, url: str, status: int = 201, **config: Any) -> tuple[Any, list]:
-    app, _ = make_pg_app({"IDEMPOTENCY_DATABASE_URI": url, "IDEMPOTENCY_WAIT": 1.0, **config})
+def counting_app(db: Proxied, status: int = 201, **config: Any) -> tuple[Any, list]:
+    app, _ = db.make({"IDEMPOTENCY_WAIT": 1.0, **config})
     calls: list[int] = []
 
     @app.post("/pay")
@@ -64,15 +99,14 @@ def counting_app(make_pg_app: Any, url: str, status: int = 201, **config: Any) -
 @pytest.mark.parametrize(
     "config", [{}, {"IDEMPOTENCY_ASYNC_CLAIM": True}], ids=["durable-claim", "async-claim"]
 )
-def test_i9_4_c8_lost_commit_reply_of_the_claim_is_recognised_as_our_claim(
-    proxied_pg, make_pg_app, config
-) -> None:
+def test_i9_4_c8_lost_commit_reply_of_the_claim_is_recognised_as_our_claim(proxied, config) -> None:
     """C8/C13: the claim's reply is lost after it committed; the retry finds its own row
     and runs the view once, instead of parking behind itself and answering 409."""
-    proxy, url = proxied_pg
-    app, calls = counting_app(make_pg_app, url, **config)
+    proxy = proxied.proxy
+    app, calls = counting_app(proxied, **config)
     lost = record_signal(app, signals.lease_lost)
-    proxy.cut_after_reply_to(commit_marker(app, b"WITH ins AS"))
+    marker, _ = proxied.marker(app, b"WITH ins AS")
+    proxy.cut_after_reply_to(marker)
     first = app.test_client().post("/pay", json={"a": 1}, headers=KEY)
     assert proxy.cuts_after_reply == 1, "the proxy never cut the claim's reply"
     assert first.status_code == 201, first.get_data(as_text=True)
@@ -84,16 +118,16 @@ def test_i9_4_c8_lost_commit_reply_of_the_claim_is_recognised_as_our_claim(
 
 
 def test_i9_4_c14_lost_commit_reply_of_the_completion_is_not_a_lost_lease(
-    proxied_pg, make_pg_app
+    proxied,
 ) -> None:
     """C14/C23: the completion committed but its reply was lost; the retry recognises it
     (same token), so no ``lease_lost``, the record is completed and replays."""
-    proxy, url = proxied_pg
-    app, calls = counting_app(make_pg_app, url)
+    proxy = proxied.proxy
+    app, calls = counting_app(proxied)
     lost = record_signal(app, signals.lease_lost)
     stored = record_signal(app, signals.response_stored)
-    marker = commit_marker(app, b"UPDATE ")
-    proxy.cut_after_reply_to(marker, skip=1 if marker == b"COMMIT\x00" else 0)  # not the claim's
+    marker, skip = proxied.marker(app, b"UPDATE ")
+    proxy.cut_after_reply_to(marker, skip=skip)  # the completion's, not the claim's
     first = app.test_client().post("/pay", json={"a": 1}, headers=KEY)
     assert proxy.cuts_after_reply == 1
     assert first.status_code == 201
@@ -105,20 +139,20 @@ def test_i9_4_c14_lost_commit_reply_of_the_completion_is_not_a_lost_lease(
 
 
 def test_i9_4_c20_lost_commit_reply_of_the_release_still_wakes_the_waiters(
-    proxied_pg, make_pg_app
+    proxied,
 ) -> None:
     """C20/C12: the release's DELETE committed but its reply was lost: no false
     ``lease_lost``, the release is announced (waiters woken) and a retry runs anew."""
-    proxy, url = proxied_pg
-    app, calls = counting_app(make_pg_app, url, status=500)
+    proxy = proxied.proxy
+    app, calls = counting_app(proxied, status=500)
     lost = record_signal(app, signals.lease_lost)
     released = record_signal(app, signals.claim_released)
     announced: list[str] = []
     wakeups = app.extensions["idempotency"].wakeups
     original_announce = wakeups.announce
     wakeups.announce = lambda digest, *a: (announced.append(digest), original_announce(digest, *a))
-    marker = commit_marker(app, b"DELETE ")
-    proxy.cut_after_reply_to(marker, skip=1 if marker == b"COMMIT\x00" else 0)  # not the claim's
+    marker, skip = proxied.marker(app, b"DELETE ")
+    proxy.cut_after_reply_to(marker, skip=skip)  # the release's, not the claim's
     first = app.test_client().post("/pay", json={"a": 1}, headers=KEY)
     assert proxy.cuts_after_reply == 1
     assert first.status_code == 500
@@ -128,11 +162,11 @@ def test_i9_4_c20_lost_commit_reply_of_the_release_still_wakes_the_waiters(
     assert second.status_code == 500 and calls == [1, 1]
 
 
-def test_i9_4_c13_lost_commit_reply_of_a_takeover_is_recognised(proxied_pg, make_pg_app) -> None:
+def test_i9_4_c13_lost_commit_reply_of_a_takeover_is_recognised(proxied) -> None:
     """C13: a takeover UPDATE that committed with its reply lost is our claim, not a
     live foreign lease to wait for."""
-    proxy, url = proxied_pg
-    app, _ = make_pg_app({"IDEMPOTENCY_DATABASE_URI": url})
+    proxy = proxied.proxy
+    app, _ = proxied.make()
     store = app.extensions["idempotency"].store
     ident = identity_of(app, "/pay", {"a": 1})
     first = store.acquire(ident, ttl=3600, lease=60)
@@ -141,8 +175,8 @@ def test_i9_4_c13_lost_commit_reply_of_a_takeover_is_recognised(proxied_pg, make
     with store.autocommit.connect() as conn:  # the first owner's lease lapses now
         conn.execute(update(t).values(lease_expires_at_ms=db_now_ms() - 1))
     # COMMITs: [claim-or-read] (none with psycopg2: it commits by itself), [takeover] <- cut
-    single = store.engine.dialect.driver == "psycopg2"
-    proxy.cut_after_reply_to(b"COMMIT\x00", skip=0 if single else 1)
+    _, skip = proxied.marker(app, b"")
+    proxy.cut_after_reply_to(proxied.commit, skip=skip)
     second = store.acquire(ident, ttl=3600, lease=60)
     assert proxy.cuts_after_reply == 1
     assert isinstance(second, Claim), second

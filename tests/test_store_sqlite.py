@@ -1,4 +1,4 @@
-"""The durable store on SQLite, without Flask (C8, C13, C14, C20, C21).
+"""The durable store without Flask, on SQLite, PostgreSQL and MariaDB (C8, C13, C14, C20, C21).
 
 Times come from the database clock; tests that need time to pass poll that
 clock instead of sleeping a guessed amount (no timed assertions).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
 from sqlalchemy import func, select
@@ -25,15 +26,43 @@ from flask_idempotency.records import (
 from flask_idempotency.store import DurableStore, StoreError
 from flask_idempotency.table import db_now_ms
 
+from .conftest import service_missing
+
 TTL = 3600.0
 LEASE = 60.0
 
 
-@pytest.fixture
-def store(tmp_path):
-    engine = create_store_engine(f"sqlite:///{tmp_path}/store.sqlite3")
-    store = DurableStore(lambda: engine, table_name="idem_store_test", create_table=True)
+#: MariaDB at its default REPEATABLE READ with PyMySQL, at READ COMMITTED, and with
+#: mysqlclient (``mysql+mysqldb``): the claim must be atomic at both isolation levels.
+BACKENDS = ["sqlite", "postgresql", "mariadb", "mariadb-read-committed", "mariadb-mysqldb"]
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request, tmp_path):
+    """The store on each durable database in turn: SQLite (embedded), the real
+    PostgreSQL and the real MariaDB, each with a table of this test's own."""
+    options = {}
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/store.sqlite3"
+    elif request.param == "postgresql":
+        url = request.getfixturevalue("pg_url").render_as_string(hide_password=False)
+    else:
+        mysql = request.getfixturevalue("mysql_url")
+        if request.param == "mariadb-mysqldb":
+            try:
+                import MySQLdb  # noqa: F401
+            except ImportError as exc:
+                service_missing("the mysqlclient driver", str(exc))
+            mysql = mysql.set(drivername="mysql+mysqldb")
+        if request.param == "mariadb-read-committed":
+            options["isolation_level"] = "READ COMMITTED"
+        url = mysql.render_as_string(hide_password=False)
+    engine = create_store_engine(url, **options)
+    table = f"idem_store_{uuid.uuid4().hex[:12]}"
+    store = DurableStore(lambda: engine, table_name=table, create_table=True)
     yield store
+    if request.param != "sqlite":
+        store.table.drop(engine, checkfirst=True)
     engine.dispose()
 
 
@@ -288,3 +317,16 @@ def test_c25_unreachable_database_is_a_store_error(tmp_path) -> None:
 
 def test_get_of_an_unknown_digest_is_none(store) -> None:
     assert store.get("0" * 64) is None
+
+
+def test_c44_c14_renew_is_fenced_on_every_database(store) -> None:
+    """C44/C14: a renewal extends only a live claim's lease under its own token; a
+    completed record (which keeps its token, 9.4) and a foreign token renew nothing."""
+    claim = store.acquire(ident("renew"), ttl=TTL, lease=1.0)
+    before = store.get(ident("renew").key_digest).lease_expires_at_ms
+    forged = Claim(claim.record_id, "not-the-token", claim.expires_at_ms, "new")
+    assert store.renew([claim, forged], LEASE) == {claim.record_id}
+    assert store.get(ident("renew").key_digest).lease_expires_at_ms > before
+    store.complete(claim, RESPONSE)
+    assert store.renew([claim], LEASE) == set()
+    assert store.get(ident("renew").key_digest).lease_expires_at_ms is None

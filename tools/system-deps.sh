@@ -6,12 +6,13 @@
 #   chromium chromium-driver   the browser tests (forms, docs screenshots)
 #   redis-server redis-tools   private servers, Cluster and Sentinel groups (redis-cli --cluster)
 #   wrk                        make bench's throughput part
+#   libmariadb-dev pkg-config  to build mysqlclient, the second MySQL/MariaDB driver
 #
 # Without root or apt (a laptop) it only says what is missing; those tests then skip with a
 # reason, except under CI=true, where they fail.
 set -uo pipefail
 
-packages=(pgbouncer chromium chromium-driver redis-server redis-tools wrk)
+packages=(pgbouncer chromium chromium-driver redis-server redis-tools wrk libmariadb-dev pkg-config)
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

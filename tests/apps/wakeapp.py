@@ -14,7 +14,7 @@ from typing import Any
 
 from flask import Flask, Response, g
 
-from flask_idempotency import lifecycle, signals
+from flask_idempotency import signals, wakeup
 from flask_idempotency.wakeup import PollSchedule
 from tests.apps.procapp import create_app as create_procapp
 
@@ -22,7 +22,7 @@ NO_POLLING = 3600.0
 
 
 def create_app() -> Flask:
-    lifecycle.PollSchedule = lambda *_, **__: PollSchedule(first=NO_POLLING, cap=NO_POLLING)  # type: ignore[assignment,misc]
+    wakeup.PollSchedule = lambda *_, **__: PollSchedule(first=NO_POLLING, cap=NO_POLLING)  # type: ignore[assignment,misc]
     app = create_procapp()
 
     @signals.request_waited.connect_via(app)

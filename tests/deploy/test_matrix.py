@@ -358,9 +358,7 @@ def check_cell(
             ).all()
         )
         states = dict(
-            conn.execute(
-                text(f'SELECT state, count(*) FROM "{table}" GROUP BY state')
-            ).all()
+            conn.execute(text(f'SELECT state, count(*) FROM "{table}" GROUP BY state')).all()
         )
     assert counts == dict.fromkeys(keys, 1), f"executions per key: {counts}\n{logs}"
 

@@ -30,6 +30,7 @@ THREADS = 8
 REQUESTS_PER_THREAD = 12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("driver", PG_DRIVERS, ids=("psycopg2", "psycopg3"))
 def test_i10_1_c25_store_behind_pgbouncer_transaction_pooling_has_no_errors(
     make_app: Any, pg_url: URL, pgbouncer: PgBouncer, driver: str

@@ -1,0 +1,230 @@
+"""Wake-up latency, replay latency and cache-hit share on one Redis node vs a 3-master Cluster.
+
+Standalone (imports nothing from tests/): starts its own redis-server processes on free
+loopback ports (stopped by process id), uses PostgreSQL from ``BENCH_DATABASE_URL``
+(default ``postgresql+psycopg2://postgres@127.0.0.1:5432/test``), and runs two apps in
+this process; a waiter parked in one is woken only by the Redis message the other's
+completion publishes (each app's hub hears only its own local completions).
+
+    python bench/topologies.py [--wakeups 60] [--replays 400] [--json out.json]
+
+Issue 15 item 5 asks for the cluster within 1.2x of one node on wake-up p50/p99 and the
+replay ratio, and at least 95% of replays from the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from flask import Flask, jsonify, request
+from sqlalchemy import MetaData, Table, create_engine
+
+from flask_idempotency import Idempotency, idempotent, signals
+
+DATABASE_URL = os.environ.get(
+    "BENCH_DATABASE_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+)
+
+
+def _free_port(taken: set[int], limit: int = 55535) -> int:
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in taken and port <= limit:
+            taken.add(port)
+            return port
+
+
+def _cli(port: int, *words: str) -> str:
+    done = subprocess.run(
+        ["redis-cli", "-p", str(port), *words], capture_output=True, text=True, check=False
+    )
+    return done.stdout + done.stderr
+
+
+def _start(args: list[str], port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    binary = shutil.which("redis-server") or "redis-server"
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *args],
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    for _ in range(200):
+        if "PONG" in _cli(port, "PING"):
+            return proc
+        time.sleep(0.05)
+    raise RuntimeError(f"redis-server on {port} did not start")
+
+
+class Servers:
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="bench-topologies-"))
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.taken: set[int] = set()
+
+    def single(self) -> str:
+        port = _free_port(self.taken)
+        self.procs.append(_start([], port, self.dir / "single"))
+        return f"redis://127.0.0.1:{port}/0"
+
+    def cluster(self) -> str:
+        ports = []
+        for n in range(3):
+            port, bus = _free_port(self.taken), _free_port(self.taken)
+            args = ["--cluster-enabled", "yes", "--cluster-port", str(bus),
+                    "--cluster-config-file", f"nodes-{port}.conf"]  # fmt: skip
+            self.procs.append(_start(args, port, self.dir / f"node{n}"))
+            ports.append(port)
+        out = subprocess.run(
+            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+             "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if "[OK]" not in out.stdout:
+            raise RuntimeError(out.stdout + out.stderr)
+        while not all("cluster_state:ok" in _cli(p, "CLUSTER", "INFO") for p in ports):
+            time.sleep(0.1)
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGTERM)
+                proc.wait(10)
+
+
+class App:
+    def __init__(self, redis_url: str, table: str) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.sources: list[str] = []
+        app = Flask(f"bench_{uuid.uuid4().hex[:6]}")
+        app.config.update(
+            IDEMPOTENCY_DATABASE_URI=DATABASE_URL,
+            IDEMPOTENCY_TABLE=table,
+            IDEMPOTENCY_CREATE_TABLE=True,
+            IDEMPOTENCY_REDIS_URL=redis_url,
+            IDEMPOTENCY_WAIT=20,
+        )
+        Idempotency(app)
+
+        @app.post("/pay")
+        @idempotent
+        def pay() -> Any:
+            self.entered.set()
+            self.gate.wait(30)
+            return jsonify(key=request.headers["Idempotency-Key"]), 201
+
+        signals.request_replayed.connect(
+            lambda sender, **extra: self.sources.append(extra["source"]), app, weak=False
+        )
+        self.app = app
+        self.client = app.test_client()
+
+    def post(self, key: str) -> Any:
+        return self.client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": key})
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(redis_url: str, wakeups: int, replays: int) -> dict[str, Any]:
+    table = f"bench_topo_{uuid.uuid4().hex[:8]}"
+    owner, waiter = App(redis_url, table), App(redis_url, table)
+    try:
+        # warm both: engines, table, Redis clients, the waiter's subscription
+        for n in range(5):
+            owner.post(f"warm-{n}")
+        woke: list[float] = []
+        for n in range(wakeups):
+            key = f"wake-{n}-{uuid.uuid4().hex[:6]}"
+            owner.gate.clear()
+            owner.entered.clear()
+            with ThreadPoolExecutor(2) as pool:
+                first = pool.submit(owner.post, key)
+                owner.entered.wait(30)
+                second = pool.submit(waiter.post, key)
+                hub = waiter.app.extensions["idempotency"].wakeups
+                while hub.parked_count == 0:
+                    time.sleep(0.001)
+                time.sleep(0.02)
+                owner.gate.set()
+                first.result(30)
+                done_at = time.perf_counter()
+                answer = second.result(30)
+                woke.append((time.perf_counter() - done_at) * 1000)
+                assert answer.status_code == 201
+        keys = [f"replay-{n}-{uuid.uuid4().hex[:6]}" for n in range(replays)]
+        for key in keys:
+            owner.post(key)
+        owner.sources.clear()
+        latencies: list[float] = []
+        for key in keys:
+            started = time.perf_counter()
+            answer = owner.post(key)
+            latencies.append((time.perf_counter() - started) * 1000)
+            assert answer.headers.get("Idempotent-Replayed") == "true"
+        return {
+            "wakeup_ms_p50": round(statistics.median(woke), 2),
+            "wakeup_ms_p99": round(_pct(woke, 0.99), 2),
+            "replay_ms_p50": round(statistics.median(latencies), 3),
+            "replay_ms_p99": round(_pct(latencies, 0.99), 3),
+            "replays_from_cache": round(owner.sources.count("cache") / len(keys), 4),
+            "samples": {"wakeups": wakeups, "replays": replays},
+        }
+    finally:
+        engine = create_engine(DATABASE_URL)
+        Table(table, MetaData()).drop(engine, checkfirst=True)
+        engine.dispose()
+        for app in (owner, waiter):
+            app.app.extensions["idempotency"].store.engine.dispose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--wakeups", type=int, default=60)
+    parser.add_argument("--replays", type=int, default=400)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    servers = Servers()
+    try:
+        results = {
+            "single": measure(servers.single(), args.wakeups, args.replays),
+            "cluster": measure(servers.cluster(), args.wakeups, args.replays),
+        }
+    finally:
+        servers.stop()
+        shutil.rmtree(servers.dir, ignore_errors=True)
+    single, cluster = results["single"], results["cluster"]
+    results["cluster_vs_single"] = {
+        name: round(cluster[name] / single[name], 2) if single[name] else None
+        for name in ("wakeup_ms_p50", "wakeup_ms_p99", "replay_ms_p50", "replays_from_cache")
+    }
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""Which Redis we talk to: one node, a Sentinel-managed master, or a Cluster (issue 15).
+
+This module turns a URL or a given client into clients with bounded timeouts, and
+gives the cluster its wake-up channels. The cache needs nothing topology-specific:
+it only sends single-key commands on hash-tagged keys. Wake-ups do:
+
+- one node and Sentinel: ``PUBLISH``/``SUBSCRIBE`` on ``{prefix}:{origin}:done``;
+  the Sentinel subscriber re-asks the sentinels who the master is on every
+  heartbeat and moves to the new one after a failover;
+- Cluster (Redis 7+): sharded pub/sub. Each master gets one channel whose hash tag
+  falls in its own slots (``{prefix}:{origin}:done:{w<n>}``); a record's wake-up
+  is ``SPUBLISH``-ed on the channel of the master that holds the record's slot, so
+  it never crosses the cluster bus. Each process keeps one subscriber connection
+  per master; a slot moved away (``sunsubscribe`` from the server), a dead node or a
+  changed slot map makes it re-read the topology and subscribe again;
+- Cluster before Redis 7: plain ``PUBLISH``, which the cluster broadcasts.
+
+URL forms: ``redis+cluster://[user:password@]host:port,host:port[?...]`` and
+``redis+sentinel://[user:password@]host:port,host:port/<master name>[/<db>]``
+(``rediss+`` for TLS).
+"""
+
+from __future__ import annotations
+
+import select
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+#: Seconds between two looks at the topology while subscribed (failover, resharding).
+TOPOLOGY_CHECK_INTERVAL = 2.0
+#: How many candidate tags are hashed to find one per master (16384 slots; plenty).
+_TAG_CANDIDATES = 50_000
+
+
+class TopologyChanged(Exception):
+    """The subscriber's view of the masters is out of date: subscribe again."""
+
+
+def parse_topology(url: str) -> str:
+    """``"cluster"``, ``"sentinel"`` or ``"single"`` for an ``IDEMPOTENCY_REDIS_URL``."""
+    scheme = urlsplit(url).scheme.lower()
+    if scheme in ("redis+cluster", "rediss+cluster"):
+        return "cluster"
+    if scheme in ("redis+sentinel", "rediss+sentinel"):
+        return "sentinel"
+    return "single"
+
+
+def is_cluster_client(client: Any) -> bool:
+    try:
+        from redis.cluster import RedisCluster
+    except ImportError:  # pragma: no cover - redis without cluster support
+        return False
+    return isinstance(client, RedisCluster)
+
+
+def _hosts(netloc: str, default_port: int) -> tuple[str | None, str | None, list[tuple[str, int]]]:
+    userinfo, _, hostlist = netloc.rpartition("@")
+    username = password = None
+    if userinfo:
+        user, _, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) or None
+    hosts: list[tuple[str, int]] = []
+    for part in hostlist.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        host, _, port = part.rpartition(":") if ":" in part else (part, "", "")
+        hosts.append((host.strip("[]"), int(port) if port else default_port))
+    if not hosts:
+        raise ValueError("IDEMPOTENCY_REDIS_URL names no host")
+    return username, password, hosts
+
+
+def _retry_once() -> dict[str, Any]:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return {"retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))}
+
+
+def cluster_from_url(url: str, *, socket_timeout: float, connect_timeout: float) -> Any:
+    """A ``RedisCluster`` from ``redis+cluster://h:p,h:p``, failing fast (C24)."""
+    from redis.cluster import ClusterNode, RedisCluster
+
+    parts = urlsplit(url)
+    username, password, hosts = _hosts(parts.netloc, 6379)
+    return RedisCluster(
+        startup_nodes=[
+            ClusterNode(host, port)  # type: ignore[no-untyped-call]
+            for host, port in hosts
+        ],
+        username=username,
+        password=password,
+        ssl=parts.scheme.lower().startswith("rediss"),
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=connect_timeout,
+        socket_keepalive=True,
+        require_full_coverage=False,  # a shard down must not take the others' cache with it
+        **_cluster_retry_kwargs(),
+    )
+
+
+def _cluster_retry_kwargs() -> dict[str, Any]:
+    """At most one more attempt after a topology refresh: the tier's back-off is ours."""
+    import inspect
+
+    from redis.backoff import NoBackoff
+    from redis.cluster import RedisCluster
+    from redis.retry import Retry
+
+    accepted = inspect.signature(RedisCluster.__init__).parameters
+    if "retry" in accepted:
+        return {"retry": Retry(NoBackoff(), 1)}
+    return {"cluster_error_retry_attempts": 1}  # pragma: no cover - older redis-py
+
+
+def bounded_cluster(client: Any, *, socket_timeout: float, connect_timeout: float) -> Any:
+    """A ``RedisCluster`` on the same nodes and credentials as ``client``, with our timeouts."""
+    from redis.cluster import ClusterNode, RedisCluster
+
+    manager = client.nodes_manager
+    settings = dict(getattr(manager, "connection_kwargs", {}) or {})
+    kept = {
+        name: settings[name]
+        for name in ("username", "password", "ssl", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+        if settings.get(name) is not None
+    }
+    nodes = [ClusterNode(node.host, node.port) for node in client.get_nodes()]  # type: ignore[no-untyped-call]
+    if not nodes:
+        nodes = list(manager.startup_nodes.values())
+    return RedisCluster(
+        startup_nodes=nodes,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=connect_timeout,
+        socket_keepalive=True,
+        require_full_coverage=False,
+        **kept,
+        **_cluster_retry_kwargs(),
+    )
+
+
+class SentinelMaster:
+    """A ``redis+sentinel://`` URL: the sentinels and the master's clients."""
+
+    def __init__(self, url: str, *, socket_timeout: float, connect_timeout: float) -> None:
+        from redis.sentinel import Sentinel
+
+        parts = urlsplit(url)
+        username, password, hosts = _hosts(parts.netloc, 26379)
+        path = [p for p in parts.path.split("/") if p]
+        if not path:
+            raise ValueError(
+                "IDEMPOTENCY_REDIS_URL: redis+sentinel://host:port,host:port/<master name>[/<db>]"
+            )
+        self.service = unquote(path[0])
+        self.db = int(path[1]) if len(path) > 1 else 0
+        self._auth = {"username": username, "password": password}
+        self._ssl = parts.scheme.lower().startswith("rediss")
+        self.sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            hosts,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            sentinel_kwargs={
+                "socket_timeout": socket_timeout,
+                "socket_connect_timeout": connect_timeout,
+            },
+        )
+
+    def client(self, *, socket_timeout: float, connect_timeout: float) -> Any:
+        options: dict[str, Any] = dict(
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            socket_keepalive=True,
+            db=self.db,
+            **self._auth,
+            **_retry_once(),
+        )
+        if self._ssl:
+            options["ssl"] = True
+        return self.sentinel.master_for(self.service, **options)  # type: ignore[no-untyped-call]
+
+    def command_client(self, *, socket_timeout: float, connect_timeout: float) -> Any:
+        """The master's client for commands, re-checking who the master is every couple of
+        seconds: pooled connections to a demoted master would otherwise go on publishing
+        there (a replica accepts ``PUBLISH`` and reads) until the sentinels kill them."""
+        return _FollowingClient(
+            self.client(socket_timeout=socket_timeout, connect_timeout=connect_timeout)
+        )
+
+    def master_address(self) -> tuple[str, int]:
+        host, port = self.sentinel.discover_master(self.service)  # type: ignore[no-untyped-call]
+        return str(host), int(port)
+
+
+class _FollowingClient:
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._checked = time.monotonic()
+
+    def __getattr__(self, name: str) -> Any:
+        now = time.monotonic()
+        if now - self._checked >= TOPOLOGY_CHECK_INTERVAL:
+            self._checked = now
+            try:
+                # Asks the sentinels; drops the pool's connections if the master moved.
+                self._client.connection_pool.get_master_address()
+            except Exception:
+                pass
+        return getattr(self._client, name)
+
+
+class SentinelSubscriber:
+    """What the listener's ``connect`` returns for Sentinel: a client whose subscriptions
+    notice a failover (the master moved) and start again on the new master."""
+
+    def __init__(self, master: SentinelMaster, client: Any) -> None:
+        self._master = master
+        self._client = client
+
+    def pubsub(self, **kwargs: Any) -> Any:
+        return _FollowMaster(self._master, self._client.pubsub(**kwargs))
+
+
+class _FollowMaster:
+    def __init__(self, master: SentinelMaster, inner: Any) -> None:
+        self._master = master
+        self._inner = inner
+        self._address: tuple[str, int] | None = None
+        self._checked = 0.0
+
+    def subscribe(self, *channels: str) -> None:
+        self._address = self._master.master_address()
+        self._checked = time.monotonic()
+        self._inner.subscribe(*channels)
+
+    def get_message(self, timeout: float = 0.0) -> Any:
+        now = time.monotonic()
+        if now - self._checked >= TOPOLOGY_CHECK_INTERVAL:
+            self._checked = now
+            address: tuple[str, int] | None
+            try:
+                address = self._master.master_address()
+            except Exception:
+                address = self._address  # sentinels unreachable: keep what works
+            if address != self._address:
+                raise TopologyChanged(f"the master moved to {address}")
+        return self._inner.get_message(timeout=timeout)
+
+    def ping(self, message: str) -> None:
+        self._inner.ping(message)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+# -- cluster wake-ups ---------------------------------------------------------------------
+
+
+def shard_tags(cluster: Any) -> dict[str, str]:
+    """For each master (by ``host:port``), a channel hash tag that falls in its slots.
+
+    Deterministic from the slot map: every process with the same view of the cluster
+    picks the same tag, and a failover (same slots, new master) keeps it.
+    """
+    slots = cluster.nodes_manager.slots_cache
+    owner_of: dict[int, str] = {}
+    for slot, nodes in slots.items():
+        if nodes:
+            owner_of[slot] = nodes[0].name
+    masters = set(owner_of.values())
+    tags: dict[str, str] = {}
+    for n in range(_TAG_CANDIDATES):
+        tag = f"w{n}"
+        owner = owner_of.get(cluster.keyslot(tag))
+        if owner is not None and owner not in tags:
+            tags[owner] = tag
+            if len(tags) == len(masters):
+                break
+    return tags
+
+
+def shard_tag_for_key(cluster: Any, key: str, tags: dict[str, str]) -> str | None:
+    node = cluster.get_node_from_key(key)
+    return None if node is None else tags.get(node.name)
+
+
+class ShardedSubscriber:
+    """What the listener's ``connect`` returns on a cluster: one ``SSUBSCRIBE`` connection
+    per master, presented to the listener as one pub/sub object."""
+
+    def __init__(self, cluster: Any, channel_for_tag: Callable[[str], str]) -> None:
+        self._cluster = cluster
+        self._channel_for_tag = channel_for_tag
+
+    def pubsub(self, **kwargs: Any) -> Any:
+        return _ShardedPubSub(self._cluster, self._channel_for_tag)
+
+
+class _ShardedPubSub:
+    def __init__(self, cluster: Any, channel_for_tag: Callable[[str], str]) -> None:
+        self._cluster = cluster
+        self._channel_for_tag = channel_for_tag
+        self._subs: dict[str, Any] = {}  # master name -> its node's PubSub
+        self._tags: dict[str, str] = {}
+        self._pending: set[str] = set()
+        self._pongs_due = 0
+        self._checked = 0.0
+
+    def subscribe(self, *_channels: str) -> None:
+        """Subscribe to every master's channel (the listener's own channel name is unused)."""
+        self._cluster.nodes_manager.initialize()  # a fresh slot map after any failure
+        self._tags = shard_tags(self._cluster)
+        self._checked = time.monotonic()
+        for node in self._cluster.get_primaries():
+            tag = self._tags.get(node.name)
+            if tag is None:
+                continue
+            pubsub = self._cluster.get_redis_connection(node).pubsub()
+            self._subs[node.name] = pubsub
+            channel = self._channel_for_tag(tag)
+            pubsub.ssubscribe(channel)
+            self._pending.add(node.name)
+        if not self._subs:
+            raise TopologyChanged("the cluster has no reachable master")
+
+    def get_message(self, timeout: float = 0.0) -> Any:
+        now = time.monotonic()
+        if now - self._checked >= TOPOLOGY_CHECK_INTERVAL:
+            self._checked = now
+            if shard_tags(self._cluster) != self._tags:
+                raise TopologyChanged("the cluster's slot map changed")
+        deadline = now + timeout
+        while True:
+            for name, pubsub in list(self._subs.items()):
+                message = pubsub.get_message(timeout=0.0)
+                if message is not None:
+                    translated = self._translate(name, message)
+                    if translated is not None:
+                        return translated
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self._wait_readable(min(remaining, 0.25))
+
+    def _wait_readable(self, timeout: float) -> None:
+        sockets = []
+        for pubsub in self._subs.values():
+            sock = getattr(getattr(pubsub, "connection", None), "_sock", None)
+            if sock is None:
+                time.sleep(min(timeout, 0.01))  # not connected yet: poll briefly
+                return
+            sockets.append(sock)
+        if sockets:
+            select.select(sockets, [], [], timeout)
+
+    def _translate(self, name: str, message: dict[str, Any]) -> dict[str, Any] | None:
+        kind = message.get("type")
+        if isinstance(kind, bytes):
+            kind = kind.decode()
+        if kind == "smessage":
+            return {"type": "message", "data": message.get("data")}
+        if kind == "ssubscribe":
+            self._pending.discard(name)
+            return {"type": "subscribe"} if not self._pending else None
+        if kind == "sunsubscribe":
+            # The server moved the slot away (resharding, failover): subscribe anew.
+            raise TopologyChanged("a shard channel's slot moved")
+        if kind == "pong":
+            self._pongs_due -= 1
+            return {"type": "pong"} if self._pongs_due <= 0 else None
+        return None
+
+    def ping(self, message: str) -> None:
+        self._pongs_due = len(self._subs)
+        for pubsub in self._subs.values():
+            pubsub.ping(message)
+
+    def close(self) -> None:
+        for pubsub in self._subs.values():
+            try:
+                pubsub.close()
+            except Exception:
+                pass
+        self._subs.clear()
+
+
+def supports_sharded_pubsub(cluster: Any) -> bool:
+    """Redis 7 or later on the cluster's nodes (``SPUBLISH``/``SSUBSCRIBE``)."""
+    try:
+        info = cluster.get_redis_connection(cluster.get_primaries()[0]).info("server")
+        major = int(str(info.get("redis_version", "0")).split(".")[0])
+    except Exception:
+        return True  # unknown now: try sharded; a failure marks the tier down and retries
+    return major >= 7

@@ -1,0 +1,238 @@
+"""Real Redis topologies on loopback for the topology tests: a Cluster and a Sentinel group.
+
+Every process listens on 127.0.0.1 on a port picked free at run time and is stopped
+by its process id. ``RedisCluster3``: three masters made with ``redis-cli --cluster
+create``. ``SentinelGroup``: one master, one replica and three sentinels.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.support.redis_server import free_port
+
+START_TIMEOUT = 30.0
+
+
+def _cli(port: int, *words: str, timeout: float = 10.0) -> str:
+    cli = shutil.which("redis-cli") or "redis-cli"
+    done = subprocess.run(
+        [cli, "-h", "127.0.0.1", "-p", str(port), *words],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    return done.stdout + done.stderr
+
+
+class Node:
+    """One redis-server (or sentinel) process with its own directory."""
+
+    def __init__(self, binary: str, directory: Path, args: list[str], port: int) -> None:
+        self.binary = binary
+        self.directory = directory
+        self.args = args
+        self.port = port
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Node:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / "server.log", "ab") as log:
+            self.process = subprocess.Popen(
+                [self.binary, *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.directory,
+            )
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError((self.directory / "server.log").read_text()[-2000:])
+            if "PONG" in _cli(self.port, "PING", timeout=2):
+                return self
+            time.sleep(0.05)
+        raise RuntimeError(f"redis on port {self.port} did not answer PING")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(START_TIMEOUT)
+        self.process = None
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGTERM)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait(START_TIMEOUT)
+        self.process = None
+
+    def cli(self, *words: str) -> str:
+        return _cli(self.port, *words)
+
+
+class RedisCluster3:
+    """Three masters, no replicas; a killed master's slots go dark, the others serve on."""
+
+    def __init__(self, binary: str, directory: Path) -> None:
+        self.nodes: list[Node] = []
+        taken: set[int] = set()
+
+        def pick(limit: int = 65535) -> int:
+            port = free_port()
+            while port in taken or port > limit:
+                port = free_port()
+            taken.add(port)
+            return port
+
+        for n in range(3):
+            port = pick(55535)  # redis-server refuses higher ports in cluster mode
+            bus_port = pick()
+            node_dir = Path(directory) / f"node{n}"
+            args = [
+                "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                "--cluster-port", str(bus_port), "--cluster-node-timeout", "1500",
+                "--cluster-require-full-coverage", "no",
+                "--protected-mode", "yes",
+            ]  # fmt: skip
+            self.nodes.append(Node(binary, node_dir, args, port))
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self) -> RedisCluster3:
+        for node in self.nodes:
+            node.start()
+        out = _cli(
+            self.nodes[0].port,
+            "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
+            "--cluster-replicas", "0", "--cluster-yes",
+            timeout=60,
+        )  # fmt: skip
+        if "[OK]" not in out:
+            raise RuntimeError(f"redis-cli --cluster create failed: {out[-2000:]}")
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in self.nodes):
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def flushall(self) -> None:
+        for node in self.nodes:
+            if node.process is not None:
+                node.cli("FLUSHALL")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+class SentinelGroup:
+    """A master, a replica and three sentinels watching ``service``."""
+
+    service = "idem-master"
+
+    def __init__(self, binary: str, directory: Path) -> None:
+        directory = Path(directory)
+        common = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        master_port = free_port()
+        replica_port = free_port()
+        while replica_port == master_port:
+            replica_port = free_port()
+        self.master = Node(
+            binary, directory / "master", ["--port", str(master_port), *common], master_port
+        )
+        self.replica = Node(
+            binary,
+            directory / "replica",
+            ["--port", str(replica_port), *common, "--replicaof", "127.0.0.1", str(master_port)],
+            replica_port,
+        )
+        self.sentinels: list[Node] = []
+        taken = {master_port, replica_port}
+        for n in range(3):
+            port = free_port()
+            while port in taken:
+                port = free_port()
+            taken.add(port)
+            sdir = directory / f"sentinel{n}"
+            sdir.mkdir(parents=True, exist_ok=True)
+            conf = sdir / "sentinel.conf"
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {sdir}\n"
+                f"sentinel monitor {self.service} 127.0.0.1 {master_port} 2\n"
+                f"sentinel down-after-milliseconds {self.service} 1000\n"
+                f"sentinel failover-timeout {self.service} 4000\n"
+                f"sentinel parallel-syncs {self.service} 1\n"
+            )
+            self.sentinels.append(Node(binary, sdir, [str(conf), "--sentinel"], port))
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.service}/0"
+
+    def start(self) -> SentinelGroup:
+        self.master.start()
+        self.replica.start()
+        for sentinel in self.sentinels:
+            sentinel.start()
+        self.wait_settled()
+        return self
+
+    def master_port(self) -> int:
+        out = self.sentinels[0].cli("SENTINEL", "get-master-addr-by-name", self.service)
+        return int(out.split()[1])
+
+    def wait_settled(self, within: float = START_TIMEOUT) -> None:
+        """Until every sentinel knows the replica and the replica is in sync."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            known = all(
+                "127.0.0.1" in s.cli("SENTINEL", "replicas", self.service)
+                and "num-other-sentinels\n2" in s.cli("SENTINEL", "master", self.service)
+                for s in self.sentinels
+            )
+            port = self.master_port()
+            replica = self.replica if port == self.master.port else self.master
+            synced = "master_link_status:up" in replica.cli("INFO", "replication")
+            if known and synced:
+                return
+            time.sleep(0.2)
+        raise RuntimeError("the sentinel group did not settle")
+
+    def failover(self) -> int:
+        """Force a failover; the new master's port once the sentinels agree on it."""
+        before = self.master_port()
+        out = self.sentinels[0].cli("SENTINEL", "FAILOVER", self.service)
+        if "OK" not in out:
+            raise RuntimeError(f"SENTINEL FAILOVER: {out}")
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            ports = {
+                s.cli("SENTINEL", "get-master-addr-by-name", self.service) for s in self.sentinels
+            }
+            if len(ports) == 1:
+                now = self.master_port()
+                if now != before:
+                    return now
+            time.sleep(0.1)
+        raise RuntimeError("the failover did not finish")
+
+    def stop(self) -> None:
+        for node in [*self.sentinels, self.replica, self.master]:
+            node.stop()

@@ -1,0 +1,87 @@
+"""The renewer on its own, on SQLite (fast; the PostgreSQL proofs are in test_heartbeat.py).
+
+C44: a registered claim's lease is renewed while it runs; a renewal that finds the
+record under another token reports ``taken-over`` at once; a stopped lease is no
+longer renewed; past the max runtime renewals stop with ``max-runtime``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import update
+
+from flask_idempotency import heartbeat
+from flask_idempotency.extension import create_store_engine
+from flask_idempotency.records import Claim, Identity
+from flask_idempotency.store import DurableStore
+from tests.support.waiting import wait_until
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> DurableStore:
+    engine = create_store_engine(f"sqlite:///{tmp_path}/renewer.sqlite3")
+    store = DurableStore(lambda: engine)
+    store.create_table()
+    return store
+
+
+def claim(store: DurableStore, lease: float) -> tuple[Identity, Claim]:
+    ident = Identity(
+        scope="s", key_digest=uuid.uuid4().hex * 2, fingerprint="f", method="POST", path="/"
+    )
+    won = store.acquire(ident, ttl=3600, lease=lease)
+    assert isinstance(won, Claim)
+    return ident, won
+
+
+def test_i12_1_c44_a_running_owner_keeps_its_lease(store: DurableStore) -> None:
+    ident, won = claim(store, 0.3)
+    reports: list[str] = []
+    lease = heartbeat.start(store, won, 0.3, 60, reports.append)
+    try:
+        time.sleep(1.0)  # more than three leases
+        record = store.get(ident.key_digest)
+        assert record is not None and record.lease_live and reports == []
+    finally:
+        heartbeat.stop(lease)
+    time.sleep(0.5)
+    record = store.get(ident.key_digest)
+    assert record is not None and not record.lease_live  # stopped: no more renewals
+
+
+def test_i12_1_c44_a_taken_over_lease_is_reported_at_once(store: DurableStore) -> None:
+    _, won = claim(store, 0.6)
+    reported = threading.Event()
+    reasons: list[str] = []
+
+    def report(reason: str) -> None:
+        reasons.append(reason)
+        reported.set()
+
+    lease = heartbeat.start(store, won, 0.6, 60, report)
+    try:
+        with store.engine.begin() as conn:  # another request took it over
+            t = store.table
+            conn.execute(update(t).where(t.c.id == won.record_id).values(lock_token="other"))
+        assert reported.wait(2.0)
+        assert reasons == [heartbeat.TAKEN_OVER] and lease.lost == heartbeat.TAKEN_OVER
+    finally:
+        heartbeat.stop(lease)
+
+
+def test_i12_1_c44_max_runtime_stops_renewing(store: DurableStore) -> None:
+    ident, won = claim(store, 0.3)
+    reasons: list[str] = []
+    lease = heartbeat.start(store, won, 0.3, 0.5, reasons.append)
+    try:
+        wait_until(lambda: reasons == [heartbeat.MAX_RUNTIME], "the max-runtime report", within=5)
+        time.sleep(0.5)
+        record = store.get(ident.key_digest)
+        assert record is not None and not record.lease_live
+    finally:
+        heartbeat.stop(lease)

@@ -1,0 +1,373 @@
+"""The cache and wake-ups on every Redis topology: one node, a Cluster, Sentinel (issue 15).
+
+Real servers started on loopback by the suite (tests/support/redis_cluster.py):
+a 3-master cluster and a Sentinel group (master, replica, three sentinels), kept
+for the session. Rules: C10 (wake-ups), C22/C23 (replays from the cache, promotion
+at completion), C24 (losing a node or a failover changes no outcome), C25.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from flask import Flask, jsonify, request
+from sqlalchemy.engine import URL
+
+from flask_idempotency import Idempotency, idempotent, signals, wakeup
+from flask_idempotency.wakeup import PollSchedule
+from tests.conftest import redis_server_binary
+from tests.support.redis_cluster import RedisCluster3, SentinelGroup
+from tests.support.redis_server import RedisServer
+from tests.support.tcp_proxy import TcpProxy
+
+pytestmark = [pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
+
+EVENTUALLY = 30.0
+
+
+def _started(server: Any) -> Any:
+    try:
+        return server.start()
+    except (OSError, RuntimeError) as exc:
+        server.stop()
+        pytest.fail(f"could not start {type(server).__name__}: {exc}")
+
+
+@pytest.fixture(scope="session")
+def single_node(tmp_path_factory: Any) -> Iterator[RedisServer]:
+    server = _started(RedisServer(redis_server_binary(), tmp_path_factory.mktemp("single")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: Any) -> Iterator[RedisCluster3]:
+    group = _started(RedisCluster3(redis_server_binary(), tmp_path_factory.mktemp("cluster")))
+    yield group
+    group.stop()
+
+
+@pytest.fixture(scope="session")
+def sentinel_group(tmp_path_factory: Any) -> Iterator[SentinelGroup]:
+    group = _started(SentinelGroup(redis_server_binary(), tmp_path_factory.mktemp("sentinel")))
+    yield group
+    group.stop()
+
+
+@pytest.fixture(params=["single", "cluster", "sentinel"])
+def topology_url(request: pytest.FixtureRequest) -> str:
+    """The ``IDEMPOTENCY_REDIS_URL`` of each topology."""
+    server = request.getfixturevalue(
+        {"single": "single_node", "cluster": "cluster", "sentinel": "sentinel_group"}[request.param]
+    )
+    return str(server.url)
+
+
+class Svc:
+    """An app ("a worker process") on the session's PostgreSQL, a table and a Redis URL."""
+
+    def __init__(
+        self,
+        database_url: str,
+        table: str,
+        redis_url: str | None,
+        client: Any = None,
+        **config: Any,
+    ) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.sources: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        app = Flask(f"topo_{uuid.uuid4().hex[:6]}")
+        app.config.update(
+            IDEMPOTENCY_DATABASE_URI=database_url,
+            IDEMPOTENCY_TABLE=table,
+            IDEMPOTENCY_CREATE_TABLE=True,
+            IDEMPOTENCY_REDIS_URL=redis_url,
+            IDEMPOTENCY_WAIT=20,
+            IDEMPOTENCY_REDIS_SOCKET_TIMEOUT=0.25,
+        )
+        app.config.update(config)
+        if redis_url is None:
+            del app.config["IDEMPOTENCY_REDIS_URL"]
+        Idempotency(app, redis=client)
+        self.app = app
+        self.state = app.extensions["idempotency"]
+        lock = threading.Lock()
+
+        @app.post("/pay")
+        @idempotent
+        def pay() -> Any:
+            key = request.headers["Idempotency-Key"]
+            with lock:
+                self.calls[key] += 1
+            self.entered.set()
+            assert self.gate.wait(EVENTUALLY)
+            return jsonify(key=key, body=request.get_json()), 201
+
+        signals.request_replayed.connect(
+            lambda sender, **extra: self.sources.append(extra["source"]), app, weak=False
+        )
+
+    def post(self, key: str, amount: int = 1) -> Any:
+        return self.app.test_client().post(
+            "/pay", json={"amount": amount}, headers={"Idempotency-Key": key}
+        )
+
+    def drop(self) -> None:
+        store = self.state.store
+        store.table.drop(store.engine, checkfirst=True)
+        store.engine.dispose()
+
+
+@pytest.fixture
+def make_svc(pg_url: URL) -> Iterator[Any]:
+    made: list[Svc] = []
+    table = f"topo_{uuid.uuid4().hex[:10]}"
+
+    def make(
+        redis_url: str | None, database_url: str | None = None, client: Any = None, **config: Any
+    ) -> Svc:
+        svc = Svc(
+            database_url or pg_url.render_as_string(hide_password=False),
+            table,
+            redis_url,
+            client,
+            **config,
+        )
+        made.append(svc)
+        return svc
+
+    yield make
+    if made:
+        made[0].state.store.engine.dispose()
+        svc = Svc(pg_url.render_as_string(hide_password=False), table, "redis://127.0.0.1:1/0")
+        svc.drop()
+        for other in made:
+            other.state.store.engine.dispose()
+
+
+@pytest.fixture
+def no_poll_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parked requests re-check only when woken: a lost wake-up becomes a 409."""
+    monkeypatch.setattr(wakeup, "PollSchedule", lambda **_: PollSchedule(first=600, cap=600))
+
+
+# -- C22 / C23 --------------------------------------------------------------------------
+
+
+def test_i15_c22_c23_replays_come_from_the_cache_on_every_topology(
+    make_svc: Any, topology_url: str
+) -> None:
+    """Completion promotes every record (no cross-slot pipeline on a cluster), so replays
+    come from the cache: at least 95% of them (C22, C23; issue 15 item 5)."""
+    svc = make_svc(topology_url)
+    keys = [f"k{n}-{uuid.uuid4().hex[:6]}" for n in range(40)]
+    for key in keys:
+        assert svc.post(key).status_code == 201
+    for key in keys:
+        replay = svc.post(key)
+        assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert sum(svc.calls.values()) == len(keys)
+    assert svc.sources.count("cache") >= 0.95 * len(keys), collections.Counter(svc.sources)
+
+
+def test_i15_cluster_records_spread_over_the_shards(make_svc: Any, cluster: RedisCluster3) -> None:
+    """Each record's key is hash-tagged by its digest: records land on every master."""
+    svc = make_svc(cluster.url)
+    for n in range(30):
+        svc.post(f"spread-{n}")
+    per_node = [int(node.cli("DBSIZE").strip() or 0) for node in cluster.nodes]
+    assert all(count > 0 for count in per_node), per_node
+
+
+def test_i15_c22_c23_c10_a_given_redis_cluster_client_caches_and_wakes(
+    make_svc: Any, cluster: RedisCluster3, no_poll_ticks: None
+) -> None:
+    """``Idempotency(redis=RedisCluster(...))``: completions are promoted (no pipelined
+    ``PUBLISH``), replays come from the cache, wake-ups arrive by sharded message."""
+    from redis.cluster import ClusterNode, RedisCluster
+
+    def given() -> Any:
+        return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", cluster.nodes[0].port)])
+
+    owner, waiter = make_svc(None, client=given()), make_svc(None, client=given())
+    keys = [f"given-{n}" for n in range(20)]
+    for key in keys:
+        assert owner.post(key).status_code == 201
+    for key in keys:
+        assert owner.post(key).headers["Idempotent-Replayed"] == "true"
+    assert owner.sources.count("cache") >= 19
+    _listening(waiter)
+    woke = [_wake_by_message(owner, waiter, f"given-wake-{n}") for n in range(4)]
+    assert max(woke) < 5.0, woke
+
+
+# -- C10 ------------------------------------------------------------------------------------
+
+
+def _wake_by_message(owner: Svc, waiter: Svc, key: str) -> float:
+    """The owner holds ``key``; the waiter parks; the owner finishes: seconds to wake."""
+    owner.gate.clear()
+    owner.entered.clear()
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(owner.post, key)
+        assert owner.entered.wait(EVENTUALLY)
+        second = pool.submit(waiter.post, key)
+        deadline = time.monotonic() + EVENTUALLY
+        while waiter.state.wakeups.parked_count == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        released = time.monotonic()
+        owner.gate.set()
+        assert first.result(EVENTUALLY).status_code == 201
+        answer = second.result(EVENTUALLY)
+        woke = time.monotonic() - released
+    assert answer.status_code == 201, answer.get_data(as_text=True)
+    assert answer.headers["Idempotent-Replayed"] == "true"
+    return woke
+
+
+def _listening(svc: Svc) -> None:
+    hub = svc.state.wakeups
+    with svc.app.app_context():
+        assert hub.channel.ensure_listening(hub) or hub.channel.listener.wait_until_live(EVENTUALLY)
+
+
+def test_i15_c10_wakeups_cross_processes_by_message_on_every_topology(
+    make_svc: Any, topology_url: str, no_poll_ticks: None
+) -> None:
+    """A duplicate parked in another process is woken by the owner's message, never by
+    polling (polls are 10 minutes apart here): on a cluster, for records on every shard
+    (sharded pub/sub, one channel per master; C10)."""
+    owner = make_svc(topology_url)
+    waiter = make_svc(topology_url, IDEMPOTENCY_REDIS_PREFIX="idem")  # same store, own app
+    _listening(waiter)
+    woke = [_wake_by_message(owner, waiter, f"wake-{n}-{uuid.uuid4().hex[:6]}") for n in range(6)]
+    assert max(woke) < 5.0, woke
+    assert sum(owner.calls.values()) == 6 and sum(waiter.calls.values()) == 0
+
+
+# -- C24: a node lost, a failover, mid-load ----------------------------------------------
+
+
+def _load(svc: Svc, seconds: float, during: Any) -> tuple[collections.Counter[int], list[str]]:
+    """Unique keys, each sent three times by concurrent clients, while ``during`` runs."""
+    statuses: collections.Counter[int] = collections.Counter()
+    keys: list[str] = []
+    stop = time.monotonic() + seconds
+    lock = threading.Lock()
+
+    def client(n: int) -> None:
+        i = 0
+        while time.monotonic() < stop:
+            key = f"load-{n}-{i}-{uuid.uuid4().hex[:4]}"
+            i += 1
+            with lock:
+                keys.append(key)
+            for _ in range(3):
+                status = svc.post(key).status_code
+                with lock:
+                    statuses[status] += 1
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    during()
+    for t in threads:
+        t.join(EVENTUALLY * 2)
+    return statuses, keys
+
+
+def test_i15_c24_a_cluster_master_killed_mid_load_changes_no_outcome(
+    make_svc: Any, tmp_path: Any
+) -> None:
+    """A master of the cluster SIGKILLed under load: no 5xx, one execution per key; the
+    other shards keep caching (C24)."""
+    group = _started(RedisCluster3(redis_server_binary(), tmp_path / "doomed"))
+    try:
+        svc = make_svc(group.url)
+        statuses, keys = _load(svc, 6.0, lambda: (time.sleep(2.0), group.nodes[1].kill()))
+        assert set(statuses) == {201}, statuses
+        assert all(svc.calls[key] == 1 for key in keys)
+        after = [f"after-{n}" for n in range(30)]
+        for key in after:
+            svc.post(key)
+        cached_before = svc.sources.count("cache")
+        for key in after:
+            assert svc.post(key).headers["Idempotent-Replayed"] == "true"
+        assert svc.sources.count("cache") - cached_before >= 10  # two shards of three serve
+    finally:
+        group.stop()
+
+
+def test_i15_c24_a_sentinel_failover_mid_load_changes_no_outcome_and_wakeups_follow(
+    make_svc: Any, sentinel_group: SentinelGroup, no_poll_ticks: None
+) -> None:
+    """``SENTINEL FAILOVER`` under load: no 5xx, one execution per key, and afterwards
+    the listener wakes waiters from the new master by message (C24, C10)."""
+    svc = make_svc(sentinel_group.url)
+    waiter = make_svc(sentinel_group.url)
+    _listening(waiter)
+    statuses, keys = _load(svc, 6.0, lambda: (time.sleep(2.0), sentinel_group.failover()))
+    assert set(statuses) == {201}, statuses
+    assert all(svc.calls[key] == 1 for key in keys)
+    deadline = time.monotonic() + EVENTUALLY
+    while True:  # the subscriber notices the new master within a heartbeat or two
+        listener = waiter.state.wakeups.channel.listener
+        if listener.live and listener.subscriptions >= 2:
+            break
+        assert time.monotonic() < deadline, "the listener did not follow the new master"
+        time.sleep(0.1)
+    n = 0
+    while svc.state.cache.outage.down:  # the command client's back-off ends
+        assert time.monotonic() < deadline, "the cache never came back after the failover"
+        n += 1
+        svc.post(f"after-failover-warmup-{n}")
+        time.sleep(0.2)
+    woke = _wake_by_message(svc, waiter, f"after-failover-{uuid.uuid4().hex[:6]}")
+    assert woke < 5.0
+    sentinel_group.wait_settled()
+
+
+# -- 15.6: double fault ---------------------------------------------------------------------
+
+
+def test_i15_6_c25_database_down_while_redis_backs_off_still_replays_from_the_cache(
+    make_svc: Any, pg_url: URL, single_node: RedisServer
+) -> None:
+    """Redis failed a moment ago (the tier is in its back-off) and is healthy again; then
+    the database is cut: a replay is answered from the cache after one probe, not 503."""
+    pg_proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
+    redis_proxy = TcpProxy("127.0.0.1", single_node.port).start()
+    try:
+        database = pg_url.set(host="127.0.0.1", port=pg_proxy.port)
+        svc = make_svc(
+            f"redis://127.0.0.1:{redis_proxy.port}/0",
+            database_url=database.render_as_string(hide_password=False),
+        )
+        first = svc.post("double-fault")
+        assert first.status_code == 201
+        redis_proxy.cut()
+        assert svc.post("double-fault").status_code == 201  # Redis fails: back-off begins
+        assert svc.state.cache.outage.down
+        redis_proxy.restore()
+        pg_proxy.cut()
+        svc.state.store.engine.dispose()
+        replay = svc.post("double-fault")
+        assert replay.status_code == 201, replay.get_data(as_text=True)
+        assert replay.headers["Idempotent-Replayed"] == "true" and replay.data == first.data
+        assert svc.post("never-seen").status_code == 503
+    finally:
+        pg_proxy.restore()
+        redis_proxy.stop()
+        time.sleep(0.1)
+        pg_proxy.stop()
