@@ -86,7 +86,12 @@ STEPS = [
     ("after_request", "flask_idempotency.lifecycle", None, "after_request"),
     ("· capture the response", "flask_idempotency.lifecycle", None, "capture"),
     ("· complete (PostgreSQL)", "flask_idempotency.store", "DurableStore", "complete"),
-    ("· promote + publish (Redis)", "flask_idempotency.redis_tier", "RedisCache", "promote_and_publish"),
+    (
+        "· promote + publish (Redis)",
+        "flask_idempotency.redis_tier",
+        "RedisCache",
+        "promote_and_publish",
+    ),
     ("· wake local waiters", "flask_idempotency.wakeup", "WakeupHub", "wake"),
     ("signals (all)", "flask_idempotency.lifecycle", None, "_send"),
     ("teardown_request", "flask_idempotency.lifecycle", None, "teardown_request"),
