@@ -95,6 +95,7 @@ class DurableStore:
         self._async_claim_sql: tuple[str, dict[str, Any]] | None = None
         self._at_once_sql: tuple[str, dict[str, Any]] | None = None
         self._at_once_stmt: Any = None
+        self._single_slot: dict[str, tuple[Engine | None]] = {}
 
     # -- engines -----------------------------------------------------------------
 
@@ -119,13 +120,14 @@ class DurableStore:
         engines = self._engines
         if engines is None:
             engine = self._engine_factory()
+            # One per store, however many first requests race here: each sibling is a
+            # pool, and racing greenlets would otherwise each open connections in one.
+            single = process.once(self._single_slot, lambda: (_autocommit_sibling(engine),))[0]
             if self._create_table:
-                self._create_if_missing(engine)
-            engines = (
-                engine,
-                engine.execution_options(isolation_level="AUTOCOMMIT"),
-                _autocommit_sibling(engine),
-            )
+                # On the request path's own pool where there is one: a storm of first
+                # requests then opens no connections in the main pool besides it.
+                self._create_if_missing(single or engine)
+            engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"), single)
             self._engines = engines
         return engines
 
@@ -169,7 +171,7 @@ class DurableStore:
         or mismatched table stops requests before any view runs (C45), not at completion."""
         t = self.table
         probe = select(*t.c).where(t.c.id.is_(None)).limit(1)
-        self._run(lambda conn: conn.execute(probe).first())
+        self._run(lambda conn: conn.execute(probe).first(), self._single())
         self._verified = True
 
     # -- the claim ------------------------------------------------------------------
