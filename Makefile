@@ -75,7 +75,7 @@ test-fast: install
 chaos: install
 	$(PY) -m pytest -m chaos -p no:randomly -q -s $(PYTEST_ARGS)
 
-# Supported versions, tested: the oldest set (Python 3.10, Flask 2.3.0, Werkzeug 2.3.0,
+# Supported versions, tested: the oldest set (Python 3.10, Flask 2.3.0, Werkzeug 2.3.8,
 # SQLAlchemy 2.0.0, redis-py 5.0.0) and the newest (Python 3.13, latest releases), each in
 # its own nox virtualenv, fast suite plus the PostgreSQL/Redis/PgBouncer smoke tests.
 test-versions: install

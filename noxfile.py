@@ -15,8 +15,10 @@ fit in CI. Interpreters are looked up on PATH and in pyenv's versions directory
 
 from __future__ import annotations
 
+import configparser
 import glob
 import os
+import re
 from pathlib import Path
 
 import nox
@@ -29,7 +31,7 @@ NEWEST_PYTHON = "3.13"
 #: (Flask-SQLAlchemy 3.1 needs SQLAlchemy 2.0.16, so the oldest set uses 3.0.5).
 OLDEST = [
     "Flask==2.3.0",
-    "Werkzeug==2.3.0",
+    "Werkzeug==2.3.8",  # setup.cfg's floor: 2.3.0-2.3.7 parse big multipart bodies in O(n²)
     "SQLAlchemy==2.0.0",
     "blinker==1.6.2",
     "redis==5.0.0",
@@ -41,16 +43,22 @@ OLDEST = [
     "Flask-Cors==4.0.0",
 ]
 
-#: Test tooling: not part of what we support, so the newest release in both sessions.
-TOOLS = [
-    "pytest>=8",
-    "pytest-timeout>=2.3",
-    "fakeredis>=2.20",
-    "hypothesis>=6.100",
-    "gunicorn>=22",
-    "requests>=2.31",
-    "prometheus_client>=0.17",
-]
+#: Lint tools: not needed to run the tests.
+NOT_FOR_TESTS = {"ruff", "mypy"}
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s<>=!~\[;]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _test_requirements() -> list[str]:
+    """The ``dev`` extra of setup.cfg, so a new test dependency reaches both sessions."""
+    parser = configparser.ConfigParser()
+    parser.read(Path(__file__).with_name("setup.cfg"))
+    lines = parser["options.extras_require"]["dev"].splitlines()
+    wanted = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    return [req for req in wanted if _name(req) not in NOT_FOR_TESTS]
+
 
 #: The real-server tests both sessions add to the fast suite (they are marked slow).
 SMOKE = ["tests/test_pg_smoke.py", "tests/test_redis_real.py", "tests/deploy/test_pgbouncer.py"]
@@ -79,7 +87,9 @@ def _pytest(session: nox.Session) -> None:
 @nox.session(python=OLDEST_PYTHON)
 def oldest(session: nox.Session) -> None:
     """The oldest supported set: Python 3.10, Flask 2.3, SQLAlchemy 2.0, redis-py 5.0."""
-    session.install(*OLDEST, *TOOLS)
+    pinned = {_name(pin) for pin in OLDEST}
+    tools = [req for req in _test_requirements() if _name(req) not in pinned]
+    session.install(*OLDEST, *tools)
     session.install("--no-deps", "-e", ".")
     session.run("python", "-m", "pip", "check")
     session.run("python", "-m", "pip", "freeze", "--exclude-editable")
@@ -89,7 +99,6 @@ def oldest(session: nox.Session) -> None:
 @nox.session(python=NEWEST_PYTHON)
 def newest(session: nox.Session) -> None:
     """The newest Python here with the newest release of every dependency."""
-    session.install("--upgrade", "-e", ".[redis,postgresql,psycopg]", *TOOLS)
-    session.install("--upgrade", "Flask-SQLAlchemy", "Flask-Migrate", "Flask-Login", "Flask-Cors")
+    session.install("--upgrade", "-e", ".[redis,postgresql,psycopg]", *_test_requirements())
     session.run("python", "-m", "pip", "freeze", "--exclude-editable")
     _pytest(session)

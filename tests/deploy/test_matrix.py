@@ -337,6 +337,9 @@ def check_cell(
     if cell.app == GEVENT_PATCHED_APP:
         # The recommended gevent setup: patched before anything else was imported.
         assert "MonkeyPatchWarning" not in full_logs, logs
+    elif cell.worker == "gevent" and cell.preload:
+        # What docs/deployment.md says: -k gevent patches after a preloaded import.
+        assert "MonkeyPatchWarning" in full_logs, logs
     assert len(answers) == KEYS * DUPLICATES, f"{len(answers)} answers came back\n{logs}"
     allowed = {201, 409, 503} if cell.redis_fault else {201, 409}
     wrong = [a for a in answers + retries if a.status not in allowed]
