@@ -88,7 +88,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 # Latency, wake-up and throughput figures against PostgreSQL and Redis, with idemkit side by
-# side: bench/results/RESULTS.md and latency.png. Needs wrk for the throughput part.
+# side: bench/results/RESULTS.md (profile: bench/profiling.py). Needs wrk for the throughput part.
 bench: install
 	$(PY) -c "import matplotlib, idemkit, asyncpg" 2>/dev/null || $(PIP) install -q -e '.[bench]'
 	$(PY) bench/run.py $(BENCH_ARGS)

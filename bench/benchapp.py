@@ -68,6 +68,7 @@ def create_app(
             IDEMPOTENCY_DATABASE_URI=database_url,
             IDEMPOTENCY_TABLE=table,
             IDEMPOTENCY_WAIT=wait,
+            IDEMPOTENCY_CREATE_TABLE=True,
         )
         if redis_url:
             app.config["IDEMPOTENCY_REDIS_URL"] = redis_url

@@ -78,6 +78,16 @@ class AppState:
 
     def announce_completed(self, key_digest: str, completed: Completed) -> None:
         """After the durable commit: promote, then wake the waiters everywhere (C23)."""
+        together = getattr(self.cache, "promote_and_publish", None)
+        if together is not None and together(
+            key_digest,
+            completed,
+            self.clock.remaining_ms(completed.expires_at_ms),
+            self.wakeups.channel,
+            "done",
+        ):  # the cached copy and the wake-up left in one round trip
+            self.wakeups.wake(key_digest)
+            return
         self.promote(key_digest, completed)
         self.wakeups.announce(key_digest, "done")
 

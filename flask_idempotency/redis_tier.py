@@ -256,6 +256,31 @@ class RedisCache:
             return
         self._succeeded(key_digest)
 
+    def promote_and_publish(
+        self, key_digest: str, record: Completed, ttl_ms: int, notifier: Any, event: str
+    ) -> bool:
+        """Promote and publish the wake-up in one round trip (C23), when ``notifier``
+        publishes on this cache's Redis; ``False``, having done nothing, otherwise."""
+        if not (
+            isinstance(notifier, RedisNotifier)
+            and notifier._client is self._client
+            and notifier.outage is self.outage
+        ):
+            return False
+        if not self.outage.allows():
+            return True  # skipped, as the two calls would have been
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            if ttl_ms > 0:
+                pipe.set(self.record_name(key_digest), self._encode(record), px=ttl_ms)
+            pipe.publish(notifier.channel, notifier.wakeup_payload(key_digest, event))
+            pipe.execute()
+        except Exception as exc:
+            self._failed(exc, "promote", key_digest)
+            return True
+        self._succeeded()
+        return True
+
     def discard(self, key_digest: str) -> None:
         if not self.outage_for(key_digest).allows():
             return

@@ -17,6 +17,7 @@ is fenced by its lock token.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -32,14 +33,18 @@ from sqlalchemy import (
     Table,
     and_,
     bindparam,
+    create_engine,
     delete,
     inspect,
+    literal,
     not_,
     select,
+    true,
     update,
 )
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from . import process
 from . import store_dialects as dialects
 from .records import COMPLETED, IN_PROGRESS, Claim, Identity, Record, StoredResponse
 from .table import db_now_ms, idempotency_table
@@ -81,13 +86,16 @@ class DurableStore:
         #: Commit the claim without waiting for the WAL flush (``IDEMPOTENCY_ASYNC_CLAIM``).
         self.async_claim = async_claim
         self._verified = False
-        self._engines: tuple[Engine, Engine] | None = None
+        self._engines: tuple[Engine, Engine, Engine | None] | None = None
         # The two statements of every claim and replay, built once: building a
         # construct per request cost more CPU than executing it (bench/run.py).
         self._claim_stmt: Any = None
         self._get_stmt: Any = None
         self._complete_stmt: Any = None
         self._async_claim_sql: tuple[str, dict[str, Any]] | None = None
+        self._at_once_sql: tuple[str, dict[str, Any]] | None = None
+        self._at_once_stmt: Any = None
+        self._single_slot: dict[str, tuple[Engine | None]] = {}
 
     # -- engines -----------------------------------------------------------------
 
@@ -104,7 +112,7 @@ class DurableStore:
         """
         return self._resolve()[1]
 
-    def _resolve(self) -> tuple[Engine, Engine]:
+    def _resolve(self) -> tuple[Engine, Engine, Engine | None]:
         """The engines, set up on first use. No lock is held across the create-table
         I/O: a lock made in ``init_app`` predates gevent's patching under ``--preload``
         and would stall the whole worker (issue 10). Racing first requests may each run
@@ -112,11 +120,29 @@ class DurableStore:
         engines = self._engines
         if engines is None:
             engine = self._engine_factory()
+            # One per store, however many first requests race here: each sibling is a
+            # pool, and racing greenlets would otherwise each open connections in one.
+            single = process.once(self._single_slot, lambda: (_autocommit_sibling(engine),))[0]
             if self._create_table:
-                self._create_if_missing(engine)
-            engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"))
+                # On the request path's own pool where there is one: a storm of first
+                # requests then opens no connections in the main pool besides it.
+                self._create_if_missing(single or engine)
+            engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"), single)
             self._engines = engines
         return engines
+
+    def _single(self) -> Engine | None:
+        """The pool for the request path's single statements, or ``None`` (run each in a
+        transaction of the main engine instead).
+
+        On PostgreSQL with psycopg2 every statement there is its own transaction in one
+        round trip, where a transaction on the main engine costs three (BEGIN, the
+        statement, COMMIT). Its connections are born in autocommit, in a pool of their
+        own built on the main engine's connect function (same server, arguments, sizes
+        and events): no pooled connection ever has its mode switched and switched back
+        (see the module docstring), and the app's own sessions never see this mode.
+        """
+        return self._resolve()[2]
 
     def _create_if_missing(self, engine: Engine) -> None:
         """Create the table; another process creating it at the same moment is fine."""
@@ -145,7 +171,7 @@ class DurableStore:
         or mismatched table stops requests before any view runs (C45), not at completion."""
         t = self.table
         probe = select(*t.c).where(t.c.id.is_(None)).limit(1)
-        self._run(lambda conn: conn.execute(probe).first())
+        self._run(lambda conn: conn.execute(probe).first(), self._single())
         self._verified = True
 
     # -- the claim ------------------------------------------------------------------
@@ -182,7 +208,20 @@ class DurableStore:
                 claim = self._insert(conn, ident, token, ttl_ms, lease_ms)
                 return claim if claim is not None else self._select(conn, ident.key_digest)
 
-            if guard_locks:
+            # A literal % in the table name would read as a placeholder in the driver's SQL.
+            single = None if guard_locks or "%" in self.table.fullname else self._single()
+            if single is not None:
+                outcome = self._run(
+                    functools.partial(
+                        self._claim_or_read_at_once,
+                        ident=ident,
+                        token=token,
+                        ttl_ms=ttl_ms,
+                        lease_ms=lease_ms,
+                    ),
+                    single,
+                )
+            elif guard_locks:
                 outcome = self._run_locked(claim_or_read)
                 if outcome is None:  # the row was locked: read it without waiting
                     outcome = self.get(ident.key_digest)
@@ -259,6 +298,67 @@ class DurableStore:
             compiled = self._claim_statement().compile(dialect=conn.dialect)
             sql = "SET LOCAL synchronous_commit = off; " + compiled.string
             cached = self._async_claim_sql = (sql, dict(compiled.params))
+        return cached
+
+    def _claim_or_read_at_once(
+        self, conn: Connection, *, ident: Identity, token: str, ttl_ms: int, lease_ms: int
+    ) -> Claim | Record | None:
+        """The claim and, when it meets a record, that record: one statement, one round trip.
+
+        The INSERT runs in a CTE and the outer SELECT reads the row by key with the
+        statement's snapshot. A row a competitor committed after that snapshot makes
+        the INSERT do nothing yet stays invisible to the SELECT: then neither comes
+        back and the caller claims again with a fresh statement (race X9).
+        """
+        params = {
+            "p_key_digest": ident.key_digest,
+            "p_scope": ident.scope,
+            "p_fingerprint": ident.fingerprint,
+            "p_method": ident.method,
+            "p_path": ident.path[:2048],
+            "p_lock_token": token,
+            "p_ttl_ms": ttl_ms,
+            "p_lease_ms": lease_ms,
+        }
+        if self.async_claim:  # SET LOCAL and the statement in one simple query
+            sql, defaults = self._at_once_sql_async(conn)
+            row = conn.exec_driver_sql(sql, {**defaults, **params}).first()
+        else:  # a construct: its compiled form and result columns are cached
+            row = conn.execute(self._at_once_statement(), params).first()
+        if row is None:  # pragma: no cover - the outer SELECT always yields one row
+            return None
+        if row.claimed_id is not None:
+            return Claim(int(row.claimed_id), token, int(row.claimed_expires_at_ms), "new")
+        return None if row.id is None else _to_record(row)
+
+    def _at_once_statement(self) -> Any:
+        """``WITH ins AS (INSERT … RETURNING) SELECT ins.*, r.*, now FROM one LEFT JOIN ins
+        LEFT JOIN table AS r ON r.key_digest = …``, built once."""
+        stmt = self._at_once_stmt
+        if stmt is None:
+            ins = self._claim_statement().cte("ins")
+            r = self.table.alias("r")
+            one = select(literal(1).label("one")).subquery("one")
+            stmt = self._at_once_stmt = select(
+                ins.c.id.label("claimed_id"),
+                ins.c.expires_at_ms.label("claimed_expires_at_ms"),
+                *r.c,
+                db_now_ms().label("now_ms"),
+            ).select_from(
+                one.outerjoin(ins, true()).outerjoin(
+                    r, r.c.key_digest == bindparam("p_key_digest", type_=r.c.key_digest.type)
+                )
+            )
+        return stmt
+
+    def _at_once_sql_async(self, conn: Connection) -> tuple[str, dict[str, Any]]:
+        """The same statement as the driver's SQL, after ``SET LOCAL synchronous_commit = off``
+        (``IDEMPOTENCY_ASYNC_CLAIM``): one simple query is one implicit transaction."""
+        cached = self._at_once_sql
+        if cached is None:
+            compiled = self._at_once_statement().compile(dialect=conn.dialect)
+            sql = "SET LOCAL synchronous_commit = off; " + compiled.string
+            cached = self._at_once_sql = (sql, dict(compiled.params))
         return cached
 
     def _claim_statement(self) -> Any:
@@ -377,7 +477,7 @@ class DurableStore:
 
     def get(self, key_digest: str) -> Record | None:
         """The record named ``key_digest``, read with the database clock (no lock taken, R74)."""
-        return self._run(lambda conn: self._select(conn, key_digest))
+        return self._run(lambda conn: self._select(conn, key_digest), self._single())
 
     def _select(self, conn: Connection, key_digest: str) -> Record | None:
         stmt = self._get_stmt
@@ -436,7 +536,7 @@ class DurableStore:
                 row = conn.execute(applied).first()
             return None if row is None else int(row.expires_at_ms)
 
-        return self._run(complete_own)
+        return self._run(complete_own, self._single())
 
     def complete_in(self, executor: Any, claim: Claim, response: StoredResponse) -> int | None:
         """Complete the record inside the caller's transaction (``executor``: a Session or
@@ -519,7 +619,7 @@ class DurableStore:
                 return True
             return attempts > 1 and conn.execute(exists).first() is None
 
-        return self._run(delete_own)
+        return self._run(delete_own, self._single())
 
     def renew(self, claims: list[Claim], lease: float, *, engine: Engine | None = None) -> set[int]:
         """Extend the leases of ``claims`` to ``lease`` seconds from now (C44).
@@ -560,7 +660,13 @@ class DurableStore:
 
     # -- running statements --------------------------------------------------------------
 
-    def _run(self, work: Callable[[Connection], T], *, lock_wait_is_final: bool = False) -> T:
+    def _run(
+        self,
+        work: Callable[[Connection], T],
+        single: Engine | None = None,
+        *,
+        lock_wait_is_final: bool = False,
+    ) -> T:
         """Run ``work`` with bounded retries of transient failures; else raise :class:`StoreError`.
 
         Retried: serialization failures, deadlocks and lock-wait timeouts (C26),
@@ -571,6 +677,9 @@ class DurableStore:
         """
         for attempt in range(_ATTEMPTS):
             try:
+                if single is not None:  # autocommit: each statement commits by itself
+                    with single.connect() as conn:
+                        return work(conn)
                 with self.engine.begin() as conn:
                     return work(conn)
             except DBAPIError as exc:
@@ -595,6 +704,15 @@ class DurableStore:
             " `flask db upgrade` (Flask-Migrate), or `flask idempotency create-table`,"
             " or `db.create_all()`; `flask idempotency check` compares the table"
         )
+
+
+def _autocommit_sibling(engine: Engine) -> Engine | None:
+    """A pool of its own on ``engine``'s connect function whose connections are born in
+    autocommit; PostgreSQL with psycopg2 only (``None`` elsewhere)."""
+    if engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg2":
+        return None
+    sibling = create_engine(engine.url, pool=engine.pool.recreate(), isolation_level="AUTOCOMMIT")
+    return process.own_engine(sibling)  # reset in a forked child like the extension's own
 
 
 def _to_record(row: Any) -> Record:

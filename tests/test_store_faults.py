@@ -2,8 +2,10 @@
 
 CONTRACT C8, C13, C14, C20.
 
-A loopback proxy forwards a COMMIT, lets the server apply and answer it, then
-drops the answer and the connection. The store retries on a fresh connection
+A loopback proxy forwards the message that commits a write, lets the server
+apply and answer it, then drops the answer and the connection: a COMMIT, or with
+psycopg2, whose request-path statements each commit by themselves (autocommit),
+the statement itself. The store retries on a fresh connection
 with the same lock token; each of its writes must recognise that it was already
 applied: the claim is ours (no waiting for ourselves), the completion and the
 release happened (no false ``lease_lost``, the waiters are woken).
@@ -37,6 +39,17 @@ class Proxied:
 
     def __init__(self, proxy: TcpProxy, url: str, make: Any, commit: bytes) -> None:
         self.proxy, self.url, self.make, self.commit = proxy, url, make, commit
+
+    def marker(self, app: Any, statement: bytes) -> tuple[bytes, int]:
+        """What to cut after, and how many earlier commits to let through, so that
+        ``statement`` is applied with its answer lost: with psycopg2 the request
+        path's statements each commit by themselves (autocommit), so the statement
+        itself and no earlier claim COMMIT; elsewhere its transaction's COMMIT, the
+        claim's being the first."""
+        store = app.extensions["idempotency"].store
+        if store.engine.dialect.driver == "psycopg2":
+            return statement, 0
+        return self.commit, 1
 
 
 @pytest.fixture(params=["psycopg2", "psycopg", "mariadb"], ids=["psycopg2", "psycopg3", "mariadb"])
@@ -92,7 +105,8 @@ def test_i9_4_c8_lost_commit_reply_of_the_claim_is_recognised_as_our_claim(proxi
     proxy = proxied.proxy
     app, calls = counting_app(proxied, **config)
     lost = record_signal(app, signals.lease_lost)
-    proxy.cut_after_reply_to(proxied.commit)
+    marker, _ = proxied.marker(app, b"WITH ins AS")
+    proxy.cut_after_reply_to(marker)
     first = app.test_client().post("/pay", json={"a": 1}, headers=KEY)
     assert proxy.cuts_after_reply == 1, "the proxy never cut the claim's reply"
     assert first.status_code == 201, first.get_data(as_text=True)
@@ -112,7 +126,8 @@ def test_i9_4_c14_lost_commit_reply_of_the_completion_is_not_a_lost_lease(
     app, calls = counting_app(proxied)
     lost = record_signal(app, signals.lease_lost)
     stored = record_signal(app, signals.response_stored)
-    proxy.cut_after_reply_to(proxied.commit, skip=1)  # the first COMMIT is the claim's
+    marker, skip = proxied.marker(app, b"UPDATE ")
+    proxy.cut_after_reply_to(marker, skip=skip)  # the completion's, not the claim's
     first = app.test_client().post("/pay", json={"a": 1}, headers=KEY)
     assert proxy.cuts_after_reply == 1
     assert first.status_code == 201
@@ -136,7 +151,8 @@ def test_i9_4_c20_lost_commit_reply_of_the_release_still_wakes_the_waiters(
     wakeups = app.extensions["idempotency"].wakeups
     original_announce = wakeups.announce
     wakeups.announce = lambda digest, *a: (announced.append(digest), original_announce(digest, *a))
-    proxy.cut_after_reply_to(proxied.commit, skip=1)
+    marker, skip = proxied.marker(app, b"DELETE ")
+    proxy.cut_after_reply_to(marker, skip=skip)  # the release's, not the claim's
     first = app.test_client().post("/pay", json={"a": 1}, headers=KEY)
     assert proxy.cuts_after_reply == 1
     assert first.status_code == 500
@@ -158,8 +174,9 @@ def test_i9_4_c13_lost_commit_reply_of_a_takeover_is_recognised(proxied) -> None
     t = store.table
     with store.autocommit.connect() as conn:  # the first owner's lease lapses now
         conn.execute(update(t).values(lease_expires_at_ms=db_now_ms() - 1))
-    # COMMITs: [claim-or-read], [takeover UPDATE] <- cut
-    proxy.cut_after_reply_to(proxied.commit, skip=1)
+    # COMMITs: [claim-or-read] (none with psycopg2: it commits by itself), [takeover] <- cut
+    _, skip = proxied.marker(app, b"")
+    proxy.cut_after_reply_to(proxied.commit, skip=skip)
     second = store.acquire(ident, ttl=3600, lease=60)
     assert proxy.cuts_after_reply == 1
     assert isinstance(second, Claim), second

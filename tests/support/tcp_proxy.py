@@ -32,6 +32,9 @@ class TcpProxy:
         self._stalled = threading.Event()
         self._thread: threading.Thread | None = None
         self._marker: bytes | None = None
+        #: Reads from clients forwarded upstream: with a client that waits for each
+        #: answer before it sends again, one per round trip.
+        self.client_sends = 0
         self._marker_skip = 0
         self.cuts_after_reply = 0
 
@@ -85,6 +88,9 @@ class TcpProxy:
                     if not data:
                         return
                     key.data.sendall(data)
+                    if source is client:
+                        with self._lock:
+                            self.client_sends += 1
                     if source is client and self._matches(data):
                         self._swallow_reply(upstream)
                         return

@@ -1,0 +1,270 @@
+# ruff: noqa: E501 - Markdown prose and table rows read better unbroken
+"""Turning measured paths into RESULTS.md and results.json: per path floor, ours, idemkit."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bench.harness import Path_, ratio_to, summary
+from bench.paths import IDEMKIT_FOR, PATHS
+
+#: Goals of issue 11, as ratios to each path's floor (the unprotected route: to bare).
+GOALS = {"unprotected": 1.03, "replay-redis": 1.1, "replay-pg": 1.15, "first-redis": 1.2}
+
+
+def analyse(paths: list[Path_]) -> dict[str, Any]:
+    """Per path: floor, ours and idemkit, each with p50/p99 and ratios to bare and floor."""
+    by = {p.name: p for p in paths}
+    bare = by["bare"]
+    twin = ratio_to(by["bare-twin"], bare)
+    rows = []
+    for key, label, floor_label in PATHS:
+        floor = bare if key == "unprotected" else by[f"floor:{key}"]
+        row: dict[str, Any] = {
+            "key": key,
+            "label": label,
+            "floor_label": floor_label,
+            "floor": summary(floor),
+            "floor_to_bare": ratio_to(floor, bare),
+        }
+        for side, name in (("ours", f"ours:{key}"), ("idemkit", f"{IDEMKIT_FOR[key]}:{key}")):
+            if name in by:
+                row[side] = {
+                    **summary(by[name]),
+                    "to_bare": ratio_to(by[name], bare),
+                    "to_floor": ratio_to(by[name], floor),
+                }
+        rows.append(row)
+    bare_summary = summary(bare)
+    return {
+        "bare": bare_summary,
+        "noise": {
+            "twin_ratio": twin,
+            "twin_deviation_pct": 100 * max(abs(twin["min"] - 1), abs(twin["max"] - 1)),
+            "bare_round_p50_us": bare_summary["round_p50_us"],
+            "bare_spread_pct": bare_summary["spread_pct"],
+        },
+        "rows": rows,
+    }
+
+
+def _us(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def _ratio(r: dict[str, float]) -> str:
+    return f"{r['ratio']:.2f}× ({r['min']:.2f}–{r['max']:.2f})"
+
+
+def latency_table(result: dict[str, Any], cpu: bool) -> list[str]:
+    head = (
+        "| path | floor | floor p50 / p99 µs | ours p50 / p99 µs | ours ÷ bare | **ours ÷ floor** |"
+    )
+    rule = "|---|---|---:|---:|---:|---:|"
+    if cpu:
+        head += " ours CPU µs |"
+        rule += "---:|"
+    head += " idemkit 1.0.2 p50 / p99 µs | idemkit ÷ bare | idemkit ÷ floor | goal |"
+    rule += "---:|---:|---:|---|"
+    lines = [head, rule]
+    for row in result["rows"]:
+        f, o, k = row["floor"], row.get("ours"), row.get("idemkit")
+        goal = GOALS.get(row["key"])
+        cells = [row["label"], row["floor_label"], f"{_us(f['p50_us'])} / {_us(f['p99_us'])}"]
+        if o:
+            cells += [
+                f"{_us(o['p50_us'])} / {_us(o['p99_us'])}",
+                _ratio(o["to_bare"]),
+                f"**{_ratio(o['to_floor'])}**",
+            ]
+            if cpu:
+                cells.append(_us(o["cpu_us"]))
+        if k:
+            backend = "Redis" if IDEMKIT_FOR[row["key"]] == "ik-redis" else "PostgreSQL"
+            cells += [
+                f"{_us(k['p50_us'])} / {_us(k['p99_us'])} ({backend})",
+                _ratio(k["to_bare"]),
+                _ratio(k["to_floor"]),
+            ]
+        cells.append(
+            "" if goal is None or not o else f"≤ {goal}×: {verdict(o['to_floor']['ratio'] <= goal)}"
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def noise_line(result: dict[str, Any], what: str) -> str:
+    n = result["noise"]
+    p50s = n["bare_round_p50_us"]
+    return (
+        f"**Noise ({what}):** the bare route measured twice per round (bare and its twin, same app, same"
+        f" harness) gave a twin ÷ bare ratio of {_ratio(n['twin_ratio'])} across rounds, i.e. up to"
+        f" ±{n['twin_deviation_pct']:.0f}% between two identical paths; the bare p50 ranged"
+        f" {min(p50s):,.0f}–{max(p50s):,.0f} µs over the rounds (spread {n['bare_spread_pct']:.0f}% of its median)."
+        " A ratio that moves by less than this is not a measured change."
+    )
+
+
+def goal_lines(
+    inproc: dict[str, Any], http: dict[str, Any] | None, throughput: dict[str, Any] | None
+) -> list[str]:
+    lines = []
+    for key, goal in GOALS.items():
+        label = next(lbl for k, lbl, _ in PATHS if k == key)
+        base = "bare" if key == "unprotected" else "its floor"
+        parts = []
+        for what, result in (("in-process", inproc), ("HTTP", http)):
+            if result is None:
+                continue
+            row = next(r for r in result["rows"] if r["key"] == key)
+            r = row["ours"]["to_floor"]["ratio"]
+            parts.append(f"{what} {r:.2f}× ({verdict(r <= goal)})")
+        lines.append(f"- {label} ≤ {goal}× {base}: " + "; ".join(parts) + ".")
+    if throughput:
+        for mode, name in (("mix", "90 % replays"), ("new", "all new keys")):
+            ours, ik = throughput[f"ours:{mode}"], throughput[f"ik-redis:{mode}"]
+            lines.append(
+                f"- Throughput, {name}, at least idemkit's Redis-only backend: ours"
+                f" {ours['rps']:,.0f} req/s ({ours['ratio']:.2f}× bare) vs idemkit {ik['rps']:,.0f} req/s"
+                f" ({ik['ratio']:.2f}× bare): {verdict(ours['ratio'] >= ik['ratio'])}."
+            )
+        unprotected = throughput["ours:bare"]
+        lines.append(
+            f"- Unprotected route under gunicorn: {unprotected['ratio']:.2f}× the plain app's"
+            f" req/s ({unprotected['ratio_min']:.2f}–{unprotected['ratio_max']:.2f})."
+        )
+    return lines
+
+
+def write(
+    out: Path,
+    meta: dict[str, Any],
+    inproc: dict[str, Any],
+    http: dict[str, Any] | None,
+    wake: dict[str, Any] | None,
+    throughput: dict[str, Any] | None,
+) -> str:
+    v = meta["versions"]
+    loads = meta["loads"]
+    lines = [
+        "# Flask-Idempotency benchmarks",
+        "",
+        f"Run {meta['date']} by `make bench` (`bench/run.py`), {meta['seconds']:.0f} s in all.",
+        "",
+        (
+            f"**Machine:** {v['cpu']}, {v['cores']} cores, Linux {v['kernel']}; Python {v['python']},"
+            f" PostgreSQL {v['postgresql']} (synchronous_commit={v['synchronous_commit']}), Redis {v['redis']};"
+            f" Flask {v['flask']}, SQLAlchemy {v['sqlalchemy']}, psycopg2 {v['psycopg2']}, redis-py {v['redis-py']},"
+            f" gunicorn {v['gunicorn']}, idemkit {v['idemkit']}."
+        ),
+        (
+            f"**Load:** 1-minute load average {loads[0]} at the start, {min(loads)}–{max(loads)} during the run,"
+            f" {meta['load_after']} at the end, on {v['cores']} cores shared with other test suites running at the"
+            " same time. Every figure below is a ratio to a path measured in the same rounds, interleaved,"
+            " for that reason."
+        ),
+        "",
+        noise_line(inproc, "in-process"),
+    ]
+    if http:
+        lines += ["", noise_line(http, "HTTP")]
+    lines += [
+        "",
+        "**Floor:** the bare route of an app without idempotency, followed in the same sample by the raw"
+        " redis-py/psycopg2 round trips the path cannot avoid (autocommit, synchronous commit): replay"
+        " from Redis = one GET; replay from PostgreSQL = one primary-key SELECT; first execution = claim"
+        " INSERT … ON CONFLICT DO NOTHING RETURNING + fenced completion UPDATE … RETURNING (+ SET and"
+        " PUBLISH pipelined in one round trip with Redis). Ratios are the median over rounds of"
+        " (path p50 ÷ floor p50 in the same round), with their range over the rounds in brackets.",
+        "",
+        "## Goals (issue 11)",
+        "",
+        *goal_lines(inproc, http, throughput),
+        "",
+        "## 1. In-process latency (a prepared WSGI environ handed to the app)",
+        "",
+        f"{meta['rounds']} rounds × {meta['per_round']} turns; each turn runs every path once in a freshly shuffled order, so paths are interleaved sample by sample."
+        " p50 = median of per-round medians; p99 over all samples. CPU = this thread's CPU time per request"
+        " (median of per-round medians): less sensitive to the load than wall time, and what a change"
+        " of ours was judged by.",
+        "",
+        *latency_table(inproc, cpu=True),
+        "",
+    ]
+    lines += ["## 2. Latency over HTTP, one client (gunicorn)", ""]
+    if http is None:
+        lines.append("Not run (`--inprocess-only`).")
+    else:
+        lines += [
+            f"Sequential requests, one keep-alive connection per path, {meta['rounds']} interleaved rounds ×"
+            f" {meta['http_per_round']} requests; gunicorn gthread, {meta['workers']} workers × {meta['threads']}"
+            " threads per server (plain app, ours with Redis, ours PostgreSQL-only, idemkit Redis, idemkit"
+            " PostgreSQL). The floor's round trips are made by the client process after the bare request.",
+            "",
+            *latency_table(http, cpu=False),
+        ]
+    lines += ["", "## 3. Throughput under gunicorn (wrk on loopback)", ""]
+    if throughput is None:
+        lines.append("Not run (`--inprocess-only`, or `wrk` missing: `apt-get install -y wrk`).")
+    else:
+        lines += [
+            f"wrk -t2 -c{meta['wrk_connections']}, {meta['wrk_seconds']:g} s per cell, {meta['wrk_rounds']}"
+            f" interleaved rounds. Replay-heavy mix: 90 % replays of {meta['replay_keys']} stored keys, 10 % new"
+            " keys. wrk shares the 2 cores with the servers. Ratio = req/s ÷ the plain app's bare route req/s"
+            " in the same round.",
+            "",
+            "| server | load | req/s (median) | ratio to bare | range | p50 ms | p99 ms | non-2xx | socket errors |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        names = {
+            "plain": "plain Flask app",
+            "ours": "Flask-Idempotency, PostgreSQL + Redis",
+            "ik-redis": "idemkit 1.0.2, Redis only",
+            "ik-pg": "idemkit 1.0.2, PostgreSQL",
+        }
+        loads_ = {"bare": "bare route, no key", "mix": "90 % replays", "new": "all new keys"}
+        for cell, row in throughput.items():
+            server, mode = cell.split(":")
+            lines.append(
+                f"| {names[server]} | {loads_[mode]} | {row['rps']:,.0f} | {row['ratio']:.2f}× |"
+                f" {row['ratio_min']:.2f}–{row['ratio_max']:.2f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} |"
+                f" {row['non2xx']} | {row['errors']} |"
+            )
+    lines += ["", "## 4. Wake-up of parked duplicates (gunicorn)", ""]
+    if not wake:
+        lines.append("Not run.")
+    else:
+        lines += [
+            f"{meta['wake_trials']} trials: an original that sleeps 300 ms, 5 duplicates 100 ms later on fresh"
+            " connections; figure = time from the original's response to a duplicate's, at the client,"
+            " for duplicates answered by another worker than the original.",
+            "",
+            "| server | duplicates | replayed | cross-worker | p50 ms | p99 ms |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for key, row in wake.items():
+            p50 = "n/a" if row["p50_ms"] is None else f"{row['p50_ms']:.1f}"
+            p99 = "n/a" if row["p99_ms"] is None else f"{row['p99_ms']:.1f}"
+            lines.append(
+                f"| {key} | {row['duplicates']} | {row['replayed']} | {row['cross_worker']} | {p50} | {p99} |"
+            )
+    lines += [
+        "",
+        "## Notes",
+        "",
+        "- idemkit runs as its WSGI middleware around the same Flask app; its Redis backend keeps no"
+        " durable record, its PostgreSQL backend has no cache tier. Its unprotected route still passes"
+        " through its middleware.",
+        "- Per-step profiles of our paths: [profile.md](profile.md).",
+        f"- Median load over the run: {statistics.median(float(x) for x in loads):.2f}.",
+        "",
+    ]
+    markdown = "\n".join(lines)
+    out.write_text(markdown)
+    return markdown
