@@ -437,6 +437,11 @@ def create_store_engine(uri: str, **options: Any) -> Engine:
         kwargs["max_overflow"] = 20
         kwargs["pool_timeout"] = 5
         kwargs["pool_recycle"] = 3600  # below the server's wait_timeout (8 h by default)
+        # Every store transaction ends with its own COMMIT or ROLLBACK (through a
+        # Connection), so the pool's rollback-on-return would only add a round trip
+        # (the MySQL drivers send it even with no transaction open) and, when the
+        # network drops right after a COMMIT, log a traceback for an outage (C25).
+        kwargs["pool_reset_on_return"] = None
     elif backend == "sqlite":
         kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
         if url.database in (None, "", ":memory:"):

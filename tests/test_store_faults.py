@@ -13,6 +13,7 @@ release happened (no false ``lease_lost``, the waiters are woken).
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -299,3 +300,24 @@ def test_i9_13_c8_claim_commits_synchronously_unless_async_claim_is_set(
             == 201
         )
     assert _witnessed(store) == [expected] * 3
+
+
+def test_i16_3_c25_connection_lost_right_after_a_commit_logs_no_traceback(proxied, caplog) -> None:
+    """C25/C14: the network drops right after a store transaction committed (found by the
+    chaos suite's database cut on MariaDB).
+
+    The request succeeds and nothing is logged with a traceback. On MySQL the pool's
+    rollback-on-return is a real round trip (PyMySQL sends ``ROLLBACK`` even with no
+    transaction open), so a cut landing between COMMIT and that ROLLBACK made the pool
+    log "Exception during reset or similar" with a traceback; every store transaction
+    is already ended by its own COMMIT or ROLLBACK, so the store's engine sends none.
+    """
+    proxy = proxied.proxy
+    app, calls = counting_app(proxied)
+    proxy.cut_after_reply_to(proxied.commit.replace(b"COMMIT", b"ROLLBACK"))
+    with caplog.at_level(logging.WARNING):
+        first = app.test_client().post("/pay", json={"a": 1}, headers=KEY)
+    assert first.status_code == 201 and calls == [1]
+    tracebacks = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.exc_info]
+    assert tracebacks == []
+    assert proxy.cuts_after_reply == 0, "a ROLLBACK followed a committed store transaction"

@@ -1,10 +1,13 @@
 """The chaos rig: gunicorn, a private redis-server, and proxies that break the network.
 
 Every scenario gets a fresh rig: its own tables, its own redis-server, a proxy in
-front of PostgreSQL and one in front of Redis (both on loopback), and gunicorn
-workers that reach the store and Redis only through those proxies. The ledger
-(claims and runs, see chaosapp.py) is written directly, so faults never hide an
-execution. Everything is stopped by pid at the end, also when the test fails.
+front of the store's database and one in front of Redis (both on loopback), and
+gunicorn workers that reach the store and Redis only through those proxies. The
+store is PostgreSQL unless a scenario asks for another database (``rig`` is
+parametrized indirectly: ``"postgresql"`` or ``"mariadb"``). The ledger (claims
+and runs, see chaosapp.py) is always written to PostgreSQL directly, so faults
+never hide an execution, whichever database the store is on. Everything is
+stopped by pid at the end, also when the test fails.
 
 Each scenario reports one row (requests, executions, replays, 409s, 422s, 503s,
 5xx...) to a session collector, printed as a table at the end of the run.
@@ -120,31 +123,55 @@ class AnswerLog:
 # -- the rig --------------------------------------------------------------------------
 
 
-class ChaosRig:
-    """Tables, a private Redis, two proxies and gunicorn servers for one scenario."""
+#: The databases a scenario's store can be on: (session fixture, name in the summary).
+STORE_DATABASES = {"postgresql": ("pg_url", "PostgreSQL"), "mariadb": ("mysql_url", "MariaDB")}
 
-    def __init__(self, pg_url: URL, redis_binary: str, directory: Any) -> None:
+
+class ChaosRig:
+    """Tables, a private Redis, two proxies and gunicorn servers for one scenario.
+
+    ``store_url`` is the database the layer's records live on (reached through
+    ``store_proxy``); ``ledger_url`` the PostgreSQL database the ledger is written
+    to directly (the same database when the store is on PostgreSQL).
+    """
+
+    def __init__(
+        self,
+        store_url: URL,
+        ledger_url: URL,
+        redis_binary: str,
+        directory: Any,
+        *,
+        database: str = "PostgreSQL",
+    ) -> None:
+        self.database = database
         self.table = f"chaos_{uuid.uuid4().hex[:10]}"
-        self.direct_url = pg_url.render_as_string(hide_password=False)
+        self.direct_url = store_url.render_as_string(hide_password=False)
         self.engine = create_store_engine(self.direct_url)
         self.store = DurableStore(lambda: self.engine, table_name=self.table)
         self.store.create_table()
+        self.ledger_url = ledger_url.render_as_string(hide_password=False)
+        self.ledger = (
+            self.engine
+            if self.ledger_url == self.direct_url
+            else create_store_engine(self.ledger_url)
+        )
         self.claims, self.runs = ledger_tables(MetaData(), self.table)
-        self.claims.create(self.engine)
-        self.runs.create(self.engine)
+        self.claims.create(self.ledger)
+        self.runs.create(self.ledger)
         self.redis = RedisServer(redis_binary, directory / "redis").start()
-        self.pg_proxy = TcpProxy(pg_url.host or "127.0.0.1", pg_url.port or 5432).start()
+        self.store_proxy = TcpProxy(store_url.host or "127.0.0.1", store_url.port or 5432).start()
         self.redis_proxy = TcpProxy("127.0.0.1", self.redis.port).start()
-        self.proxied_pg_url = pg_url.set(
-            host="127.0.0.1", port=self.pg_proxy.port
+        self.proxied_store_url = store_url.set(
+            host="127.0.0.1", port=self.store_proxy.port
         ).render_as_string(hide_password=False)
         self.servers: list[GunicornServer] = []
         self.inspector = redis.Redis(port=self.redis.port, socket_timeout=10)
 
     def serve(self, *, workers: int = 3, threads: int = 6, **settings: Any) -> GunicornServer:
         env = {
-            "DATABASE_URL": self.proxied_pg_url,
-            "LEDGER_URL": self.direct_url,
+            "DATABASE_URL": self.proxied_store_url,
+            "LEDGER_URL": self.ledger_url,
             "IDEM_TABLE": self.table,
             "REDIS_URL": f"redis://127.0.0.1:{self.redis_proxy.port}/0",
         }
@@ -161,7 +188,7 @@ class ChaosRig:
 
     def runs_by_key(self) -> dict[str, list[Any]]:
         """Every execution, oldest first, grouped by key."""
-        with self.engine.connect() as conn:
+        with self.ledger.connect() as conn:
             rows = conn.execute(select(self.runs).order_by(self.runs.c.id)).all()
         grouped: dict[str, list[Any]] = collections.defaultdict(list)
         for row in rows:
@@ -170,29 +197,34 @@ class ChaosRig:
 
     def claims_by_key(self) -> collections.Counter[str]:
         t = self.claims
-        with self.engine.connect() as conn:
+        with self.ledger.connect() as conn:
             rows = conn.execute(select(t.c.idem_key, func.count()).group_by(t.c.idem_key)).all()
         return collections.Counter({key: int(count) for key, count in rows})
 
     def total_runs(self) -> int:
-        with self.engine.connect() as conn:
+        with self.ledger.connect() as conn:
             return int(conn.execute(select(func.count()).select_from(self.runs)).scalar_one())
 
     def close(self) -> None:
         for server in self.servers:
             server.stop()
-        self.pg_proxy.stop()
+        self.store_proxy.stop()
         self.redis_proxy.stop()
         self.inspector.close()
         self.redis.stop()
-        for table in (self.runs, self.claims, self.store.table):
-            table.drop(self.engine, checkfirst=True)
+        for table in (self.runs, self.claims):
+            table.drop(self.ledger, checkfirst=True)
+        self.store.table.drop(self.engine, checkfirst=True)
+        self.ledger.dispose()
         self.engine.dispose()
 
 
 @pytest.fixture
-def rig(pg_url: URL, tmp_path: Any) -> Iterator[ChaosRig]:
-    built = ChaosRig(pg_url, redis_server_binary(), tmp_path)
+def rig(request: pytest.FixtureRequest, pg_url: URL, tmp_path: Any) -> Iterator[ChaosRig]:
+    """A fresh rig; its store is on ``request.param`` (indirect), PostgreSQL by default."""
+    fixture, database = STORE_DATABASES[getattr(request, "param", "postgresql")]
+    store_url = pg_url if fixture == "pg_url" else request.getfixturevalue(fixture)
+    built = ChaosRig(store_url, pg_url, redis_server_binary(), tmp_path, database=database)
     try:
         yield built
     finally:

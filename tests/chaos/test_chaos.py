@@ -1,4 +1,4 @@
-"""Chaos: real gunicorn workers, SIGKILL, Redis killed and flushed, PostgreSQL cut off.
+"""Chaos: real gunicorn workers, SIGKILL, Redis killed and flushed, the database cut off.
 
 Each scenario drives bounded concurrent load through the rig (conftest.py),
 breaks something while it runs, then checks two things against the ledger the
@@ -339,7 +339,7 @@ def test_redis_killed_flushed_restarted_under_load_changes_no_outcome(
     warm = [f"warm-{i}" for i in range(20)]
     for key in warm:
         assert log.add(send(server.url, key, body_for(key))).status == 201
-    tier = RedisTier(rig.inspector, origin=store_origin(rig.proxied_pg_url, rig.table))
+    tier = RedisTier(rig.inspector, origin=store_origin(rig.proxied_store_url, rig.table))
     wait_until(
         lambda: rig.inspector.exists(tier.record_name(digest(warm[-1]))) == 1, "promotion to Redis"
     )
@@ -385,9 +385,9 @@ def assert_redis_back_in_use(
 ) -> None:
     """C23/C24: once Redis is back (after its outage back-off), a replay promotes the
     record again."""
-    name = RedisTier(rig.inspector, origin=store_origin(rig.proxied_pg_url, rig.table)).record_name(
-        digest(key)
-    )
+    name = RedisTier(
+        rig.inspector, origin=store_origin(rig.proxied_store_url, rig.table)
+    ).record_name(digest(key))
     deadline = time.monotonic() + EVENTUALLY
     while rig.inspector.exists(name) == 0:
         assert time.monotonic() < deadline, "Redis never held a record again after the faults"
@@ -395,13 +395,23 @@ def assert_redis_back_in_use(
         time.sleep(0.5)
 
 
-# -- 4. PostgreSQL cut off ---------------------------------------------------------------
+# -- 4. the store's database cut off ------------------------------------------------------
 
 
-def test_postgres_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
+@pytest.mark.parametrize(
+    "rig",
+    [
+        pytest.param("postgresql", id="postgresql"),
+        pytest.param("mariadb", id="mariadb", marks=pytest.mark.mysql),
+    ],
+    indirect=True,
+)
+def test_database_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
     rig: ChaosRig, chaos_summary: Callable[..., None]
 ) -> None:
     """C25, C14, C23: the store's network is cut while requests are in flight.
+
+    On PostgreSQL and on MariaDB (issue 16), with the same verdicts on both.
 
     While cut: new keys get 503 ``store-unavailable`` and their view never runs;
     keys completed (and promoted) before the cut keep replaying from Redis. No
@@ -412,10 +422,10 @@ def test_postgres_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
     seed = new_seed()
     rng = random.Random(seed)
     lease = 5.0
-    # A generous Redis timeout: this scenario breaks PostgreSQL, not Redis.
+    # A generous Redis timeout: this scenario breaks the database, not Redis.
     server = rig.serve(IDEM_WAIT=2, IDEM_LEASE=lease, IDEM_REDIS_TIMEOUT=2.0)
     log = AnswerLog()
-    tier = RedisTier(rig.inspector, origin=store_origin(rig.proxied_pg_url, rig.table))
+    tier = RedisTier(rig.inspector, origin=store_origin(rig.proxied_store_url, rig.table))
     before = [f"before-{i}" for i in range(30)]
     with ThreadPoolExecutor(max_workers=6) as pool:
         first = list(pool.map(lambda k: log.add(send(server.url, k, body_for(k))), before))
@@ -437,7 +447,7 @@ def test_postgres_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
     during_replays: list[Answer] = []
     try:
         time.sleep(rng.uniform(0.5, 1.5))
-        rig.pg_proxy.cut()
+        rig.store_proxy.cut()
         time.sleep(0.3)
         for i in range(20):
             during_new.append(
@@ -446,10 +456,10 @@ def test_postgres_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
             old = before[i % len(before)]
             during_replays.append(log.add(send(server.url, old, body_for(old), timeout=20.0)))
         runs_while_cut = runs_of_keys_sent_only_while_cut(rig)
-        rig.pg_proxy.restore()
+        rig.store_proxy.restore()
         time.sleep(rng.uniform(0.5, 1.5))
     finally:
-        rig.pg_proxy.restore()
+        rig.store_proxy.restore()
         feed.stop.set()
         load.join(timeout=CLIENT_PATIENCE * 3)
     assert not load.is_alive(), "the load did not finish"
@@ -463,7 +473,7 @@ def test_postgres_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
         settled = retry_until_settled(server.url, key, log, rng)
         assert settled is not None
         final.append(settled)
-    chaos_summary("PostgreSQL cut", log, keys=len(keys), executions=rig.total_runs())
+    chaos_summary(f"{rig.database} cut", log, keys=len(keys), executions=rig.total_runs())
     runs = assert_every_run_was_claimed(rig, seed)
 
     assert all(a.status == 503 and a.code == "store-unavailable" for a in during_new), (
