@@ -22,6 +22,7 @@ import logging
 import random
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -122,7 +123,7 @@ class DurableStore:
             engine = self._engine_factory()
             # One per store, however many first requests race here: each sibling is a
             # pool, and racing greenlets would otherwise each open connections in one.
-            single = process.once(self._single_slot, lambda: (_autocommit_sibling(engine),))[0]
+            single = process.once(self._single_slot, lambda: (self._sibling_of(engine),))[0]
             if self._create_table:
                 # On the request path's own pool where there is one: a storm of first
                 # requests then opens no connections in the main pool besides it.
@@ -130,6 +131,12 @@ class DurableStore:
             engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"), single)
             self._engines = engines
         return engines
+
+    def _sibling_of(self, engine: Engine) -> Engine | None:
+        sibling = _autocommit_sibling(engine)
+        if sibling is not None:  # its connections close with this store (C47)
+            weakref.finalize(self, sibling.dispose)
+        return sibling
 
     def _single(self) -> Engine | None:
         """The pool for the request path's single statements, or ``None`` (run each in a

@@ -29,3 +29,32 @@ def test_c47_an_apps_own_engine_closes_its_connections_when_the_app_is_gone(tmp_
     del app, pay
     gc.collect()
     assert engine.pool.checkedin() == 0  # disposed with the app, not left to the collector
+
+
+def test_c47_the_request_paths_own_pool_closes_with_its_app_on_postgresql(
+    tmp_path, pg_url, pg_table
+) -> None:
+    """On PostgreSQL with psycopg2 the request path has a pool of its own (one round trip
+    per statement); it is released with the app too, not left holding server slots."""
+    app = Flask("short_lived_pg", instance_path=str(tmp_path / "instance"))
+    app.config["IDEMPOTENCY_DATABASE_URI"] = pg_url.render_as_string(hide_password=False)
+    app.config["IDEMPOTENCY_TABLE"] = pg_table
+    app.config["IDEMPOTENCY_CREATE_TABLE"] = True
+    Idempotency(app)
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> tuple[str, int]:
+        return "paid", 201
+
+    assert app.test_client().post("/pay", headers={"Idempotency-Key": "k1"}).status_code == 201
+    store = app.extensions["idempotency"].store
+    engine, single = store.engine, store._single()
+    assert single is not None and single.pool.checkedin() >= 1
+    with engine.begin() as conn:  # leave the table for the next test run clean
+        store.table.drop(conn)
+
+    del app, pay, store
+    gc.collect()
+    assert single.pool.checkedin() == 0
+    assert engine.pool.checkedin() == 0
