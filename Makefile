@@ -89,9 +89,14 @@ lint: install
 
 # Latency, wake-up and throughput figures against PostgreSQL and Redis, with idemkit side by
 # side: bench/results/RESULTS.md (profile: bench/profiling.py). Needs wrk for the throughput part.
+# Then the Redis topologies (single node vs a 3-master cluster the script starts), the
+# MariaDB paths with their raw-driver floor, and the lease heartbeat's overhead.
 bench: install
 	$(PY) -c "import matplotlib, idemkit, asyncpg" 2>/dev/null || $(PIP) install -q -e '.[bench]'
 	$(PY) bench/run.py $(BENCH_ARGS)
+	$(PY) bench/topologies.py --json bench/results/topologies.json
+	$(PY) bench/mariadb.py | tee bench/results/mariadb.md
+	$(PY) bench/heartbeat_overhead.py | tee bench/results/heartbeat.md
 
 # The Sphinx site in docs/_build/html, warnings as errors; then headless Chromium takes
 # screenshots of the home page and the API reference (docs/_build/screenshots/) and
