@@ -260,16 +260,7 @@ class DurableStore:
     def _insert(
         self, conn: Connection, ident: Identity, token: str, ttl_ms: int, lease_ms: int
     ) -> Claim | None:
-        params = {
-            "p_key_digest": ident.key_digest,
-            "p_scope": ident.scope,
-            "p_fingerprint": ident.fingerprint,
-            "p_method": ident.method,
-            "p_path": ident.path[:2048],
-            "p_lock_token": token,
-            "p_ttl_ms": ttl_ms,
-            "p_lease_ms": lease_ms,
-        }
+        params = _claim_params(ident, token, ttl_ms, lease_ms)
         quick = self._asynchronous_claim_sql(conn) if self.async_claim else None
         if quick is not None:
             sql, defaults = quick
@@ -317,16 +308,7 @@ class DurableStore:
         the INSERT do nothing yet stays invisible to the SELECT: then neither comes
         back and the caller claims again with a fresh statement (race X9).
         """
-        params = {
-            "p_key_digest": ident.key_digest,
-            "p_scope": ident.scope,
-            "p_fingerprint": ident.fingerprint,
-            "p_method": ident.method,
-            "p_path": ident.path[:2048],
-            "p_lock_token": token,
-            "p_ttl_ms": ttl_ms,
-            "p_lease_ms": lease_ms,
-        }
+        params = _claim_params(ident, token, ttl_ms, lease_ms)
         if self.async_claim:  # SET LOCAL and the statement in one simple query
             sql, defaults = self._at_once_sql_async(conn)
             row = conn.exec_driver_sql(sql, {**defaults, **params}).first()
@@ -711,6 +693,20 @@ class DurableStore:
             " `flask db upgrade` (Flask-Migrate), or `flask idempotency create-table`,"
             " or `db.create_all()`; `flask idempotency check` compares the table"
         )
+
+
+def _claim_params(ident: Identity, token: str, ttl_ms: int, lease_ms: int) -> dict[str, Any]:
+    """The bound values of a claim INSERT, alone or inside the claim-or-read statement."""
+    return {
+        "p_key_digest": ident.key_digest,
+        "p_scope": ident.scope,
+        "p_fingerprint": ident.fingerprint,
+        "p_method": ident.method,
+        "p_path": ident.path[:2048],
+        "p_lock_token": token,
+        "p_ttl_ms": ttl_ms,
+        "p_lease_ms": lease_ms,
+    }
 
 
 def _autocommit_sibling(engine: Engine) -> Engine | None:
