@@ -344,7 +344,10 @@ def test_overrun_charge_is_rolled_back_and_the_taker_s_payment_stands(
     matches nothing, so its own payment row is rolled back with it (atomic mode)
     and its client gets 409: exactly one payment, and retries replay the taker's.
     """
-    app = next(_build({"IDEMPOTENCY_LEASE": 0.05, "IDEMPOTENCY_WAIT": 60}, tmp_path / "inst"))
+    # The heartbeat is off: this models an owner that overruns its lease (C44 would renew
+    # it; with a 50 ms lease, whether a renewal lands in time is a race).
+    config = {"IDEMPOTENCY_LEASE": 0.05, "IDEMPOTENCY_WAIT": 60, "IDEMPOTENCY_HEARTBEAT": False}
+    app = next(_build(config, tmp_path / "inst"))
     stalled = threading.Event()
     taker_finished = threading.Event()
     gateway_calls: list[str] = []
