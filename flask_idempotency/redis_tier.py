@@ -260,9 +260,12 @@ class RedisCache:
         self, key_digest: str, record: Completed, ttl_ms: int, notifier: Any, event: str
     ) -> bool:
         """Promote and publish the wake-up in one round trip (C23), when ``notifier``
-        publishes on this cache's Redis; ``False``, having done nothing, otherwise."""
+        publishes on this cache's single-node Redis; ``False``, having done nothing,
+        otherwise. Never on a cluster: a pipeline there may not cross slots, and a
+        record's key and its shard's channel need not share one."""
         if not (
-            isinstance(notifier, RedisNotifier)
+            type(notifier) is RedisNotifier
+            and self._shards is None
             and notifier._client is self._client
             and notifier.outage is self.outage
         ):
