@@ -136,6 +136,9 @@ class Renewer:
                 if due is None:
                     return
                 self._renew(due)
+                # Hold no finished owner while waiting for the next round: a lease keeps
+                # its store (and its app) alive, and a short-lived app must be freed (C47).
+                del due
         except Exception:  # pragma: no cover - a bug here must not pass silently
             log.exception("idempotency: the lease heartbeat stopped")
             with self._cond:
@@ -160,6 +163,7 @@ class Renewer:
                         lease.in_flight = True
                     return due
                 wait = min((lease.next_due - now for lease in active), default=_IDLE_EXIT)
+                del active  # see _run: no lease is held across the wait
                 self._cond.wait(max(0.001, wait))
 
     def _renew(self, due: list[Lease]) -> None:

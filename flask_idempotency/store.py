@@ -97,6 +97,7 @@ class DurableStore:
         self._at_once_sql: tuple[str, dict[str, Any]] | None = None
         self._at_once_stmt: Any = None
         self._single_slot: dict[str, tuple[Engine | None]] = {}
+        self._setup_lock = process.lazy_lock()
 
     # -- engines -----------------------------------------------------------------
 
@@ -114,23 +115,34 @@ class DurableStore:
         return self._resolve()[1]
 
     def _resolve(self) -> tuple[Engine, Engine, Engine | None]:
-        """The engines, set up on first use. No lock is held across the create-table
-        I/O: a lock made in ``init_app`` predates gevent's patching under ``--preload``
-        and would stall the whole worker (issue 10). Racing first requests may each run
-        the (idempotent) create; each uses the engine only after its own create returned."""
+        """The engines, set up once per process on first use.
+
+        One caller sets up (builds the engines, creates the table) while racing first
+        requests wait for it: a storm of them must not each open a connection to
+        create the same table (under gevent that ran PostgreSQL out of connections).
+        The lock that makes them wait is made on first use and forgotten in a forked
+        child (:func:`process.lazy_lock`), so it is always a lock of the running
+        process, patched by gevent when gevent runs: never a lock from ``init_app``
+        or the ``--preload`` master, which would stall a gevent worker (issue 10).
+        A failed setup is a store outage (503), tried again by the next request.
+        """
         engines = self._engines
         if engines is None:
-            engine = self._engine_factory()
-            # One per store, however many first requests race here: each sibling is a
-            # pool, and racing greenlets would otherwise each open connections in one.
-            single = process.once(self._single_slot, lambda: (self._sibling_of(engine),))[0]
-            if self._create_table:
-                # On the request path's own pool where there is one: a storm of first
-                # requests then opens no connections in the main pool besides it.
-                self._create_if_missing(single or engine)
-            engines = (engine, engine.execution_options(isolation_level="AUTOCOMMIT"), single)
-            self._engines = engines
+            with self._setup_lock:
+                engines = self._engines
+                if engines is None:
+                    engines = self._engines = self._set_up()
         return engines
+
+    def _set_up(self) -> tuple[Engine, Engine, Engine | None]:
+        engine = self._engine_factory()
+        single = process.once(self._single_slot, lambda: (self._sibling_of(engine),))[0]
+        if self._create_table:
+            try:  # on the request path's own pool where there is one
+                self._create_if_missing(single or engine)
+            except SQLAlchemyError as exc:
+                raise StoreError(f"could not create the table: {_describe(exc)}") from exc
+        return engine, engine.execution_options(isolation_level="AUTOCOMMIT"), single
 
     def _sibling_of(self, engine: Engine) -> Engine | None:
         sibling = _autocommit_sibling(engine)
