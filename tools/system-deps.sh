@@ -43,4 +43,21 @@ fi
 if command -v mariadb >/dev/null 2>&1 && mariadb -h 127.0.0.1 -u root -e 'SELECT 1' >/dev/null 2>&1; then
     mariadb -h 127.0.0.1 -u root -e 'CREATE DATABASE IF NOT EXISTS test' >/dev/null 2>&1 || true
 fi
+# PostgreSQL: the suite runs many real pools at once (gunicorn workers, forked children, a
+# gevent storm, a PgBouncer), each a few connections, beside the test process's own; the
+# default of 100 connections leaves too little headroom on a 2-core CI machine. Raised once
+# (ALTER SYSTEM, then a restart) where this script may; a server already set is left alone.
+want_connections=300
+if command -v psql >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+    have=$(psql -h 127.0.0.1 -U postgres -d postgres -tAc 'SHOW max_connections' 2>/dev/null || true)
+    if [ -n "$have" ] && [ "$have" -lt "$want_connections" ]; then
+        echo "system-deps: PostgreSQL max_connections $have -> $want_connections (restart)"
+        psql -h 127.0.0.1 -U postgres -d postgres -qc "ALTER SYSTEM SET max_connections = $want_connections" \
+            && pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | sort -V | tail -n 1)" main restart
+        for _ in $(seq 30); do
+            psql -h 127.0.0.1 -U postgres -d postgres -tAc 'SELECT 1' >/dev/null 2>&1 && break
+            sleep 1
+        done
+    fi
+fi
 exit 0
