@@ -237,6 +237,23 @@ def redis_server_binary() -> str:
     return str(path)
 
 
+@pytest.fixture
+def redis_server(tmp_path: Any) -> Iterator[Any]:
+    """A private redis-server for this test (tests that kill, restart or flush Redis)."""
+    from tests.support.redis_server import RedisServer
+
+    server = RedisServer(redis_server_binary(), tmp_path / "redis")
+    try:
+        server.start()
+    except (OSError, RuntimeError) as exc:
+        server.stop()
+        pytest.fail(f"could not start a private redis-server: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     for item in items:
         fixtures = getattr(item, "fixturenames", ())

@@ -21,24 +21,9 @@ from flask import Flask, jsonify, request
 from sqlalchemy.engine import URL
 
 from flask_idempotency import Idempotency, idempotent, signals
-from tests.conftest import redis_server_binary
 from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.postgres]
-
-
-@pytest.fixture
-def redis_server(tmp_path: Any) -> Iterator[RedisServer]:
-    server = RedisServer(redis_server_binary(), tmp_path / "redis")
-    try:
-        server.start()
-    except (OSError, RuntimeError) as exc:
-        server.stop()
-        pytest.fail(f"could not start a private redis-server: {exc}")
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 class Service:

@@ -25,7 +25,6 @@ from sqlalchemy import MetaData, Table, create_engine
 from sqlalchemy.engine import URL
 
 from flask_idempotency import Idempotency, idempotent, listener
-from tests.conftest import redis_server_binary
 from tests.support.gunicorn import GunicornServer
 from tests.support.redis_server import RedisServer
 from tests.support.waiting import wait_until
@@ -196,20 +195,6 @@ def test_i10_1_c47_gevent_preload_create_table_never_deadlocks(
 # -- 9.8: no leak per short-lived app ---------------------------------------------------
 
 
-@pytest.fixture
-def private_redis(tmp_path: Any) -> Iterator[RedisServer]:
-    server = RedisServer(redis_server_binary(), tmp_path / "redis")
-    try:
-        server.start()
-    except (OSError, RuntimeError) as exc:
-        server.stop()
-        pytest.fail(f"could not start a private redis-server: {exc}")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def _listener_threads() -> int:
     return sum(1 for t in threading.enumerate() if t.name == "flask-idempotency-wakeups")
 
@@ -217,12 +202,12 @@ def _listener_threads() -> int:
 @pytest.mark.redis
 @pytest.mark.parametrize("how", ["url", "client"])
 def test_i9_8_c47_short_lived_apps_leak_no_listener_or_connection(
-    pg_url: URL, records_table: str, private_redis: RedisServer, how: str
+    pg_url: URL, records_table: str, redis_server: RedisServer, how: str
 ) -> None:
     """30 apps, each listening for wake-ups, then dropped: their listener threads stop and
     their Redis connections close (C47). ``url``: IDEMPOTENCY_REDIS_URL; ``client``: a new
     ``redis=`` client per app."""
-    inspector = redis.Redis.from_url(private_redis.url, socket_timeout=5)
+    inspector = redis.Redis.from_url(redis_server.url, socket_timeout=5)
     baseline_clients = len(inspector.client_list())
     baseline_threads = _listener_threads()
     config = {
@@ -232,9 +217,9 @@ def test_i9_8_c47_short_lived_apps_leak_no_listener_or_connection(
     }
     for n in range(30):
         if how == "url":
-            app = echo_app({**config, "IDEMPOTENCY_REDIS_URL": private_redis.url})
+            app = echo_app({**config, "IDEMPOTENCY_REDIS_URL": redis_server.url})
         else:
-            app = echo_app(config, redis=redis.Redis.from_url(private_redis.url))
+            app = echo_app(config, redis=redis.Redis.from_url(redis_server.url))
         assert run_requests(app, f"app{n}", threads=1, per_thread=1) == []
         state = app.extensions["idempotency"]
         hub = state.wakeups

@@ -26,7 +26,6 @@ from sqlalchemy.engine import URL
 from flask_idempotency import idempotent, listener, signals, wakeup
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.wakeup import PollSchedule
-from tests.conftest import redis_server_binary
 from tests.support.gunicorn import GunicornServer
 from tests.support.redis_server import RedisServer
 from tests.support.tcp_proxy import TcpProxy
@@ -43,20 +42,6 @@ EVENTUALLY = 30.0
 def _stop_listeners() -> Iterator[None]:
     yield
     listener.stop_all()
-
-
-@pytest.fixture
-def redis_server(tmp_path: Any) -> Iterator[RedisServer]:
-    server = RedisServer(redis_server_binary(), tmp_path / "redis")
-    try:
-        server.start()
-    except (OSError, RuntimeError) as exc:
-        server.stop()
-        pytest.fail(f"could not start a private redis-server: {exc}")
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
