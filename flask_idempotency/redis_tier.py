@@ -578,10 +578,16 @@ class RedisTier:
             # Commands get the bounded client; the listener keeps the given one (its
             # reads are bounded by its own ticks and heartbeat, in its own thread).
             bounded = bounded_client(client, socket_timeout=timeout, connect_timeout=timeout)
+            listener_connect: Callable[[], Any] = lambda: client  # noqa: E731
+            pool = topology.sentinel_pool(client)
+            if pool is not None:  # Sentinel.master_for(): follow failovers as the URL form does
+                bounded = topology.following_sentinel(bounded)
+                given = topology.SentinelSubscriber(topology.GivenSentinelMaster(pool), client)
+                listener_connect = lambda: given  # noqa: E731
             return cls(
                 bounded,
                 listener_key=("client", client),
-                listener_connect=lambda: client,
+                listener_connect=listener_connect,
                 **common,
             )
         url = settings.redis_url

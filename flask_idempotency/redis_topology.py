@@ -25,7 +25,7 @@ from __future__ import annotations
 import select
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 #: Seconds between two looks at the topology while subscribed (failover, resharding).
@@ -188,7 +188,7 @@ class SentinelMaster:
         """The master's client for commands, re-checking who the master is every couple of
         seconds: pooled connections to a demoted master would otherwise go on publishing
         there (a replica accepts ``PUBLISH`` and reads) until the sentinels kill them."""
-        return _FollowingClient(
+        return following_sentinel(
             self.client(socket_timeout=socket_timeout, connect_timeout=connect_timeout)
         )
 
@@ -214,11 +214,42 @@ class _FollowingClient:
         return getattr(self._client, name)
 
 
+class GivenSentinelMaster:
+    """The master behind a given ``Sentinel(...).master_for(...)`` client: asks the
+    client's own sentinels where it is, as :class:`SentinelMaster` does for a URL."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    def master_address(self) -> tuple[str, int]:
+        host, port = self._pool.sentinel_manager.discover_master(self._pool.service_name)
+        return str(host), int(port)
+
+
+def sentinel_pool(client: Any) -> Any | None:
+    """The ``SentinelConnectionPool`` of a client made by ``Sentinel.master_for``, else None."""
+    pool = getattr(client, "connection_pool", None)
+    if hasattr(pool, "service_name") and hasattr(pool, "sentinel_manager"):
+        return pool
+    return None
+
+
+def following_sentinel(client: Any) -> Any:
+    """A command client on a Sentinel-managed master that re-checks who the master is."""
+    return _FollowingClient(client)
+
+
+class _MasterAddress(Protocol):
+    def master_address(self) -> tuple[str, int]: ...
+
+
 class SentinelSubscriber:
     """What the listener's ``connect`` returns for Sentinel: a client whose subscriptions
-    notice a failover (the master moved) and start again on the new master."""
+    notice a failover (the master moved) and start again on the new master. The sentinels
+    drop a demoted master's subscribers, but not when they cannot reach it (a partition):
+    the subscriber must not rely on that."""
 
-    def __init__(self, master: SentinelMaster, client: Any) -> None:
+    def __init__(self, master: _MasterAddress, client: Any) -> None:
         self._master = master
         self._client = client
 
@@ -227,7 +258,7 @@ class SentinelSubscriber:
 
 
 class _FollowMaster:
-    def __init__(self, master: SentinelMaster, inner: Any) -> None:
+    def __init__(self, master: _MasterAddress, inner: Any) -> None:
         self._master = master
         self._inner = inner
         self._address: tuple[str, int] | None = None

@@ -23,7 +23,7 @@ from sqlalchemy.engine import URL
 from flask_idempotency import Idempotency, idempotent, signals, wakeup
 from flask_idempotency.wakeup import PollSchedule
 from tests.conftest import redis_server_binary
-from tests.support.redis_cluster import RedisCluster3, SentinelGroup
+from tests.support.redis_cluster import RedisCluster3, SentinelGroup, redis_cli
 from tests.support.redis_server import RedisServer
 from tests.support.tcp_proxy import TcpProxy
 
@@ -309,21 +309,43 @@ def test_i15_c24_a_cluster_master_killed_mid_load_changes_no_outcome(
         group.stop()
 
 
+def _sentinel_svc(make_svc: Any, group: SentinelGroup, form: str) -> Any:
+    """An app on the Sentinel group, by URL or by ``redis=Sentinel(...).master_for(...)``."""
+    if form == "url":
+        return make_svc(group.url)
+    from redis.sentinel import Sentinel
+
+    sentinels = Sentinel([("127.0.0.1", s.port) for s in group.sentinels], socket_timeout=1.0)
+    return make_svc(None, client=sentinels.master_for(group.service, socket_timeout=1.0))
+
+
+def _subscribers_on(port: int, channel: str) -> int:
+    out = redis_cli(port, "PUBSUB", "NUMSUB", channel).split()
+    return int(out[1]) if len(out) > 1 else 0
+
+
+@pytest.mark.parametrize("form", ["url", "client"])
 def test_i15_c24_a_sentinel_failover_mid_load_changes_no_outcome_and_wakeups_follow(
-    make_svc: Any, sentinel_group: SentinelGroup, no_poll_ticks: None
+    make_svc: Any, sentinel_group: SentinelGroup, no_poll_ticks: None, form: str
 ) -> None:
     """``SENTINEL FAILOVER`` under load: no 5xx, one execution per key, and afterwards
-    the listener wakes waiters from the new master by message (C24, C10)."""
-    svc = make_svc(sentinel_group.url)
-    waiter = make_svc(sentinel_group.url)
+    the listener is subscribed on the new master and wakes waiters from it by message,
+    for the URL form and for a given ``Sentinel.master_for()`` client (C24, C10)."""
+    svc = _sentinel_svc(make_svc, sentinel_group, form)
+    waiter = _sentinel_svc(make_svc, sentinel_group, form)
     _listening(waiter)
-    statuses, keys = _load(svc, 6.0, lambda: (time.sleep(2.0), sentinel_group.failover()))
+    channel = waiter.state.wakeups.channel.channel
+    assert _subscribers_on(sentinel_group.master_port(), channel) >= 1
+    new_master: list[int] = []
+    statuses, keys = _load(
+        svc, 6.0, lambda: (time.sleep(2.0), new_master.append(sentinel_group.failover()))
+    )
     assert set(statuses) == {201}, statuses
     assert all(svc.calls[key] == 1 for key in keys)
     deadline = time.monotonic() + EVENTUALLY
     while True:  # the subscriber notices the new master within a heartbeat or two
         listener = waiter.state.wakeups.channel.listener
-        if listener.live and listener.subscriptions >= 2:
+        if listener.live and _subscribers_on(new_master[0], channel) >= 1:
             break
         assert time.monotonic() < deadline, "the listener did not follow the new master"
         time.sleep(0.1)
@@ -336,6 +358,34 @@ def test_i15_c24_a_sentinel_failover_mid_load_changes_no_outcome_and_wakeups_fol
     woke = _wake_by_message(svc, waiter, f"after-failover-{uuid.uuid4().hex[:6]}")
     assert woke < 5.0
     sentinel_group.wait_settled()
+
+
+def test_i15_c10_a_given_sentinel_client_subscribes_where_its_sentinels_say_the_master_is(
+    make_svc: Any, sentinel_group: SentinelGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``redis=Sentinel(...).master_for(...)``: when the sentinels name a new master while
+    the old one keeps our connection open (they could not reach it to drop its clients:
+    a partition), the listener moves to the new master within a topology check, as the URL
+    form does, instead of listening where nobody publishes any more (C10, C24)."""
+    from redis.sentinel import Sentinel
+
+    sentinels = Sentinel([("127.0.0.1", s.port) for s in sentinel_group.sentinels])
+    waiter = make_svc(None, client=sentinels.master_for(sentinel_group.service))
+    _listening(waiter)
+    channel = waiter.state.wakeups.channel.channel
+    master = sentinel_group.master_port()
+    other = (
+        sentinel_group.replica.port
+        if master == sentinel_group.master.port
+        else sentinel_group.master.port
+    )
+    assert _subscribers_on(master, channel) == 1
+    monkeypatch.setattr(sentinels, "discover_master", lambda service: ("127.0.0.1", other))
+    deadline = time.monotonic() + 10.0
+    while _subscribers_on(other, channel) < 1:
+        assert time.monotonic() < deadline, "the listener stayed on the old master"
+        time.sleep(0.1)
+    assert _subscribers_on(master, channel) == 0
 
 
 # -- 15.6: double fault ---------------------------------------------------------------------

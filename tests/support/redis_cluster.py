@@ -19,7 +19,8 @@ from tests.support.redis_server import free_port
 START_TIMEOUT = 30.0
 
 
-def _cli(port: int, *words: str, timeout: float = 10.0) -> str:
+def redis_cli(port: int, *words: str, timeout: float = 10.0) -> str:
+    """``redis-cli -p port words...``: its output and errors, as text."""
     cli = shutil.which("redis-cli") or "redis-cli"
     done = subprocess.run(
         [cli, "-h", "127.0.0.1", "-p", str(port), *words],
@@ -54,7 +55,7 @@ class Node:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError((self.directory / "server.log").read_text()[-2000:])
-            if "PONG" in _cli(self.port, "PING", timeout=2):
+            if "PONG" in redis_cli(self.port, "PING", timeout=2):
                 return self
             time.sleep(0.05)
         raise RuntimeError(f"redis on port {self.port} did not answer PING")
@@ -79,7 +80,7 @@ class Node:
         self.process = None
 
     def cli(self, *words: str) -> str:
-        return _cli(self.port, *words)
+        return redis_cli(self.port, *words)
 
 
 class RedisCluster3:
@@ -116,7 +117,7 @@ class RedisCluster3:
     def start(self) -> RedisCluster3:
         for node in self.nodes:
             node.start()
-        out = _cli(
+        out = redis_cli(
             self.nodes[0].port,
             "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
             "--cluster-replicas", "0", "--cluster-yes",
