@@ -143,16 +143,41 @@ class ShardOutages:
     def __init__(self, client: Any) -> None:
         self._client = client
         self._by_node: dict[str, Outage] = {}
+        self._refreshed = 0.0
+        self._refresh_lock = threading.Lock()
 
     def for_digest(self, key_digest: str, fallback: Outage) -> Outage:
         try:
-            name = str(self._client.get_node_from_key(f"{{{key_digest}}}").name)
+            outage = self._outage_of(key_digest)
+            if outage.down and self._refresh_slot_map():
+                # A dead master's replica may have taken its slots: while that master is
+                # in its back-off no command reaches it, so nothing else would ever tell
+                # the client the slot map changed and its shard would stay dark.
+                outage = self._outage_of(key_digest)
         except Exception:
             return fallback  # no slot map yet (the cluster is unreachable): the tier's own
+        return outage
+
+    def _outage_of(self, key_digest: str) -> Outage:
+        name = str(self._client.get_node_from_key(f"{{{key_digest}}}").name)
         outage = self._by_node.get(name)
         if outage is None:
             outage = self._by_node.setdefault(name, Outage())
         return outage
+
+    def _refresh_slot_map(self) -> bool:
+        """Re-read the slot map at most once per topology check interval per process."""
+        from .redis_topology import TOPOLOGY_CHECK_INTERVAL
+
+        now = time.monotonic()
+        if now - self._refreshed < TOPOLOGY_CHECK_INTERVAL:
+            return False
+        with self._refresh_lock:
+            if now - self._refreshed < TOPOLOGY_CHECK_INTERVAL:
+                return False
+            self._refreshed = now
+        self._client.nodes_manager.initialize()
+        return True
 
 
 class RedisCache:
@@ -416,7 +441,12 @@ class ClusterNotifier(RedisNotifier):
         now = time.monotonic()
         if not self._tags or now - self._tags_at > TOPOLOGY_CHECK_INTERVAL:
             self._tags, self._tags_at = shard_tags(self._client), now
-        return shard_tag_for_key(self._client, f"{{{key_digest}}}", self._tags)
+        tag = shard_tag_for_key(self._client, f"{{{key_digest}}}", self._tags)
+        if tag is None:
+            # The client's slot map moved on (a replica promoted) since the tags were read.
+            self._tags, self._tags_at = shard_tags(self._client), now
+            tag = shard_tag_for_key(self._client, f"{{{key_digest}}}", self._tags)
+        return tag
 
     def publish(self, key_digest: str, event: str) -> None:
         outage = (

@@ -324,6 +324,50 @@ def _subscribers_on(port: int, channel: str) -> int:
     return int(out[1]) if len(out) > 1 else 0
 
 
+def test_i15_c24_c10_a_cluster_master_killed_its_replica_promoted_serves_and_wakes_again(
+    make_svc: Any, tmp_path: Any, no_poll_ticks: None
+) -> None:
+    """3 masters + 3 replicas; a master SIGKILLed under load and its replica promoted: no
+    5xx, one execution per key; afterwards replays come from the cache on every shard and
+    waiters are woken by message from every shard, the promoted one included (the
+    per-shard listener follows the new master; C24, C22, C10)."""
+    group = _started(RedisCluster3(redis_server_binary(), tmp_path / "replicated", replicas=1))
+    try:
+        svc = make_svc(group.url)
+        waiter = make_svc(group.url)
+        _listening(waiter)
+        doomed = group.masters()[1]
+        statuses, keys = _load(svc, 6.0, lambda: (time.sleep(2.0), doomed.kill()))
+        assert set(statuses) == {201}, statuses
+        assert all(svc.calls[key] == 1 for key in keys)
+        promoted = group.wait_promoted(doomed)
+        deadline = time.monotonic() + EVENTUALLY
+        n = 0
+        while True:  # the listener re-reads the slot map and subscribes on the new master
+            listener = waiter.state.wakeups.channel.listener
+            if listener.live and listener.subscriptions >= 2:
+                break
+            assert time.monotonic() < deadline, "the listener did not follow the promotion"
+            n += 1
+            svc.post(f"after-promotion-warmup-{n}")
+            time.sleep(0.2)
+        after = [f"after-promotion-{n}-{uuid.uuid4().hex[:6]}" for n in range(30)]
+        for key in after:
+            assert svc.post(key).status_code == 201
+        cached_before = svc.sources.count("cache")
+        for key in after:
+            assert svc.post(key).headers["Idempotent-Replayed"] == "true"
+        assert svc.sources.count("cache") - cached_before >= 0.95 * len(after)
+        assert int(promoted.cli("DBSIZE").strip() or 0) > 0  # records landed on the new master
+        woke = [
+            _wake_by_message(svc, waiter, f"after-promotion-wake-{n}-{uuid.uuid4().hex[:6]}")
+            for n in range(9)
+        ]
+        assert max(woke) < 5.0, woke
+    finally:
+        group.stop()
+
+
 @pytest.mark.parametrize("form", ["url", "client"])
 def test_i15_c24_a_sentinel_failover_mid_load_changes_no_outcome_and_wakeups_follow(
     make_svc: Any, sentinel_group: SentinelGroup, no_poll_ticks: None, form: str

@@ -84,10 +84,13 @@ class Node:
 
 
 class RedisCluster3:
-    """Three masters, no replicas; a killed master's slots go dark, the others serve on."""
+    """Three masters, each with ``replicas`` replicas (none by default: a killed master's
+    slots go dark and the others serve on; with one, its replica is promoted)."""
 
-    def __init__(self, binary: str, directory: Path) -> None:
+    def __init__(self, binary: str, directory: Path, replicas: int = 0) -> None:
+        self.replicas = replicas
         self.nodes: list[Node] = []
+        self._first_masters: set[int] = set()
         taken: set[int] = set()
 
         def pick(limit: int = 65535) -> int:
@@ -97,7 +100,7 @@ class RedisCluster3:
             taken.add(port)
             return port
 
-        for n in range(3):
+        for n in range(3 * (1 + replicas)):
             port = pick(55535)  # redis-server refuses higher ports in cluster mode
             bus_port = pick()
             node_dir = Path(directory) / f"node{n}"
@@ -120,17 +123,45 @@ class RedisCluster3:
         out = redis_cli(
             self.nodes[0].port,
             "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
-            "--cluster-replicas", "0", "--cluster-yes",
+            "--cluster-replicas", str(self.replicas), "--cluster-yes",
             timeout=60,
         )  # fmt: skip
         if "[OK]" not in out:
             raise RuntimeError(f"redis-cli --cluster create failed: {out[-2000:]}")
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
-            if all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in self.nodes):
-                return self
+            if all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in self.nodes) and all(
+                "master_link_status:up" in n.cli("INFO", "replication")
+                for n in self.nodes
+                if "role:slave" in n.cli("INFO", "replication")
+            ):
+                masters = self.masters()
+                if len(masters) == 3:
+                    self._first_masters = {n.port for n in masters}
+                    return self
             time.sleep(0.1)
         raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def masters(self) -> list[Node]:
+        """The nodes that are masters now (after a failover, a promoted replica is one)."""
+        return [
+            n
+            for n in self.nodes
+            if n.process is not None and "role:master" in n.cli("INFO", "replication")
+        ]
+
+    def wait_promoted(self, dead: Node, within: float = START_TIMEOUT) -> Node:
+        """After ``dead`` (a master) was killed: the replica that took its place."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            alive = [n for n in self.nodes if n is not dead and n.process is not None]
+            masters = [n for n in alive if "role:master" in n.cli("INFO", "replication")]
+            if len(masters) == 3 and all(
+                "cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in alive
+            ):
+                return next(n for n in masters if n.port not in self._first_masters)
+            time.sleep(0.1)
+        raise RuntimeError("no replica was promoted")
 
     def flushall(self) -> None:
         for node in self.nodes:
