@@ -22,7 +22,7 @@ from sqlalchemy.engine import URL
 
 from flask_idempotency import Idempotency, idempotent, signals, wakeup
 from flask_idempotency.wakeup import PollSchedule
-from tests.conftest import redis_server_binary
+from tests.conftest import redis6_server_binary, redis_server_binary
 from tests.support.redis_cluster import RedisCluster3, SentinelGroup, redis_cli
 from tests.support.redis_server import RedisServer
 from tests.support.tcp_proxy import TcpProxy
@@ -61,12 +61,36 @@ def sentinel_group(tmp_path_factory: Any) -> Iterator[SentinelGroup]:
     group.stop()
 
 
-@pytest.fixture(params=["single", "cluster", "sentinel"])
+@pytest.fixture(scope="session")
+def single_node_redis6(tmp_path_factory: Any) -> Iterator[RedisServer]:
+    """Redis 6: no sharded pub/sub; wake-ups go by plain ``PUBLISH``."""
+    server = _started(RedisServer(redis6_server_binary(), tmp_path_factory.mktemp("single6")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_redis6(tmp_path_factory: Any) -> Iterator[RedisCluster3]:
+    """A 3-master Redis 6 cluster: ``PUBLISH`` there is broadcast over the cluster bus."""
+    group = _started(RedisCluster3(redis6_server_binary(), tmp_path_factory.mktemp("cluster6")))
+    yield group
+    group.stop()
+
+
+TOPOLOGY_FIXTURES = {
+    "single": "single_node",
+    "cluster": "cluster",
+    "sentinel": "sentinel_group",
+    "single-redis6": "single_node_redis6",
+    "cluster-redis6": "cluster_redis6",
+}
+
+
+@pytest.fixture(params=list(TOPOLOGY_FIXTURES))
 def topology_url(request: pytest.FixtureRequest) -> str:
-    """The ``IDEMPOTENCY_REDIS_URL`` of each topology."""
-    server = request.getfixturevalue(
-        {"single": "single_node", "cluster": "cluster", "sentinel": "sentinel_group"}[request.param]
-    )
+    """The ``IDEMPOTENCY_REDIS_URL`` of each topology (Redis 7, and Redis 6 without
+    sharded pub/sub)."""
+    server = request.getfixturevalue(TOPOLOGY_FIXTURES[request.param])
     return str(server.url)
 
 
@@ -209,6 +233,21 @@ def test_i15_c22_c23_c10_a_given_redis_cluster_client_caches_and_wakes(
     _listening(waiter)
     woke = [_wake_by_message(owner, waiter, f"given-wake-{n}") for n in range(4)]
     assert max(woke) < 5.0, woke
+
+
+def test_i15_redis6_cluster_wakes_by_plain_publish(
+    make_svc: Any, cluster_redis6: RedisCluster3, no_poll_ticks: None
+) -> None:
+    """On a Redis 6 cluster (no ``SPUBLISH``) the notifier publishes with plain ``PUBLISH``
+    and one ordinary subscription hears every shard's records (issue 15 item 1)."""
+    assert "redis_version:6." in cluster_redis6.nodes[0].cli("INFO", "server")
+    owner, waiter = make_svc(cluster_redis6.url), make_svc(cluster_redis6.url)
+    _listening(waiter)
+    notifier = waiter.state.wakeups.channel
+    assert notifier._is_sharded() is False
+    woke = [_wake_by_message(owner, waiter, f"r6-{n}-{uuid.uuid4().hex[:6]}") for n in range(6)]
+    assert max(woke) < 5.0, woke
+    assert waiter.state.wakeups.channel.listener.messages >= 6
 
 
 # -- C10 ------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -30,6 +31,21 @@ def redis_cli(port: int, *words: str, timeout: float = 10.0) -> str:
         check=False,
     )
     return done.stdout + done.stderr
+
+
+def _major_version(binary: str) -> int:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+    version = out.stdout.partition("v=")[2].split(".")[0]
+    return int(version) if version.isdigit() else 7
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class Node:
@@ -100,14 +116,18 @@ class RedisCluster3:
             taken.add(port)
             return port
 
+        # Redis 6 has no --cluster-port: its bus listens on port + 10000.
+        fixed_bus = _major_version(binary) < 7
         for n in range(3 * (1 + replicas)):
             port = pick(55535)  # redis-server refuses higher ports in cluster mode
-            bus_port = pick()
+            while fixed_bus and not _is_free(port + 10000):
+                port = pick(55535)
+            bus = [] if fixed_bus else ["--cluster-port", str(pick())]
             node_dir = Path(directory) / f"node{n}"
             args = [
                 "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                "--cluster-port", str(bus_port), "--cluster-node-timeout", "1500",
+                *bus, "--cluster-node-timeout", "1500",
                 "--cluster-require-full-coverage", "no",
                 "--protected-mode", "yes",
             ]  # fmt: skip
