@@ -23,10 +23,13 @@ URL forms: ``redis+cluster://[user:password@]host:port,host:port[?...]`` and
 from __future__ import annotations
 
 import select
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
+
+from .listener import sockets_of
 
 #: Seconds between two looks at the topology while subscribed (failover, resharding).
 TOPOLOGY_CHECK_INTERVAL = 2.0
@@ -258,6 +261,9 @@ class SentinelSubscriber:
 
 
 class _FollowMaster:
+    #: The listener reads at least this often, so a moved master is noticed in time.
+    check_interval = TOPOLOGY_CHECK_INTERVAL
+
     def __init__(self, master: _MasterAddress, inner: Any) -> None:
         self._master = master
         self._inner = inner
@@ -284,6 +290,9 @@ class _FollowMaster:
 
     def ping(self, message: str) -> None:
         self._inner.ping(message)
+
+    def sockets(self) -> list[socket.socket] | None:
+        return sockets_of(self._inner)
 
     def close(self) -> None:
         self._inner.close()
@@ -333,6 +342,8 @@ class ShardedSubscriber:
 
 
 class _ShardedPubSub:
+    check_interval = TOPOLOGY_CHECK_INTERVAL
+
     def __init__(self, cluster: Any, channel_for_tag: Callable[[str], str]) -> None:
         self._cluster = cluster
         self._channel_for_tag = channel_for_tag
@@ -377,6 +388,16 @@ class _ShardedPubSub:
             if remaining <= 0:
                 return None
             self._wait_readable(min(remaining, 0.25))
+
+    def sockets(self) -> list[socket.socket] | None:
+        """Every shard connection's socket (``None`` until all are connected)."""
+        found: list[socket.socket] = []
+        for pubsub in self._subs.values():
+            sockets = sockets_of(pubsub)
+            if not sockets:
+                return None
+            found.extend(sockets)
+        return found or None
 
     def _wait_readable(self, timeout: float) -> None:
         sockets = []
