@@ -436,11 +436,20 @@ class ClusterNotifier(RedisNotifier):
         return self._sharded
 
     def _tag_for(self, key_digest: str) -> str | None:
-        from .redis_topology import TOPOLOGY_CHECK_INTERVAL, shard_tag_for_key, shard_tags
+        from .redis_topology import (
+            TOPOLOGY_CHECK_INTERVAL,
+            shard_tag_for_key,
+            shard_tags,
+            tags_still_valid,
+        )
 
         now = time.monotonic()
-        if not self._tags or now - self._tags_at > TOPOLOGY_CHECK_INTERVAL:
+        if not self._tags:
             self._tags, self._tags_at = shard_tags(self._client), now
+        elif now - self._tags_at > TOPOLOGY_CHECK_INTERVAL:
+            if not tags_still_valid(self._client, self._tags):  # cheap; a rescan only if not
+                self._tags = shard_tags(self._client)
+            self._tags_at = now
         tag = shard_tag_for_key(self._client, f"{{{key_digest}}}", self._tags)
         if tag is None:
             # The client's slot map moved on (a replica promoted) since the tags were read.

@@ -324,6 +324,24 @@ def shard_tags(cluster: Any) -> dict[str, str]:
     return tags
 
 
+def tags_still_valid(cluster: Any, tags: dict[str, str]) -> bool:
+    """Whether ``tags`` still names one channel per master, each in its master's slots.
+
+    A handful of dictionary look-ups, so it can run every couple of seconds on the hot
+    path; :func:`shard_tags` scans all 16384 slots and runs only when this says no.
+    """
+    try:
+        if {node.name for node in cluster.get_primaries()} != set(tags):
+            return False
+        for master, tag in tags.items():
+            node = cluster.get_node_from_key(tag)
+            if node is None or node.name != master:
+                return False
+    except Exception:
+        return False
+    return True
+
+
 def shard_tag_for_key(cluster: Any, key: str, tags: dict[str, str]) -> str | None:
     node = cluster.get_node_from_key(key)
     return None if node is None else tags.get(node.name)
@@ -374,7 +392,7 @@ class _ShardedPubSub:
         now = time.monotonic()
         if now - self._checked >= TOPOLOGY_CHECK_INTERVAL:
             self._checked = now
-            if shard_tags(self._cluster) != self._tags:
+            if not tags_still_valid(self._cluster, self._tags):
                 raise TopologyChanged("the cluster's slot map changed")
         deadline = now + timeout
         while True:
