@@ -593,8 +593,10 @@ class RedisTier:
         }
         if client is not None:
             if topology.is_cluster_client(client):
-                bounded = topology.bounded_cluster(
-                    client, socket_timeout=timeout, connect_timeout=timeout
+                bounded = topology.DirectCluster(
+                    topology.bounded_cluster(
+                        client, socket_timeout=timeout, connect_timeout=timeout
+                    )
                 )
                 subscriber: list[Any] = []
 
@@ -636,8 +638,8 @@ class RedisTier:
         if kind == "cluster":
             # RedisCluster reads the slot map when built: not at init_app, on first use.
             build_commands: Callable[[], Any] = lambda: _Lazy(  # noqa: E731
-                lambda: topology.cluster_from_url(
-                    url, socket_timeout=timeout, connect_timeout=timeout
+                lambda: topology.DirectCluster(
+                    topology.cluster_from_url(url, socket_timeout=timeout, connect_timeout=timeout)
                 )
             )
             build_subscriber: Callable[[], Any] = lambda: topology.cluster_from_url(  # noqa: E731

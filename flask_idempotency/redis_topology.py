@@ -147,6 +147,58 @@ def bounded_cluster(client: Any, *, socket_timeout: float, connect_timeout: floa
     )
 
 
+class DirectCluster:
+    """A ``RedisCluster`` whose hot single-key commands (the cache's ``GET``/``SET``/``DEL``
+    and the wake-up's ``SPUBLISH``) go straight to the client of the node that owns the
+    key's slot in the cached slot map.
+
+    ``RedisCluster.execute_command`` re-derives the target on every call: about 30 us of
+    CPU more than the same command on one node (measured 64 vs 35 us per ``GET``), paid on
+    every replay and wake-up. Anything unusual (a moved slot, a dead node, ``CLUSTERDOWN``)
+    is retried once through the cluster client, which refreshes the slot map as usual; a
+    timeout is not retried (C24: one bounded wait). Everything else passes through.
+    """
+
+    def __init__(self, cluster: Any) -> None:
+        self._cluster = cluster
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cluster, name)
+
+    def get(self, name: str) -> Any:
+        return self._direct("get", name, name)
+
+    def set(self, name: str, value: Any, **options: Any) -> Any:
+        return self._direct("set", name, name, value, **options)
+
+    def delete(self, name: str) -> Any:
+        return self._direct("delete", name, name)
+
+    def spublish(self, channel: str, message: Any) -> Any:
+        return self._direct("spublish", channel, channel, message)
+
+    def _direct(self, command: str, key: str, *args: Any, **options: Any) -> Any:
+        from redis.exceptions import (
+            AskError,
+            ClusterDownError,
+            MovedError,
+            TryAgainError,
+        )
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        cluster = self._cluster
+        try:
+            node_client = cluster.get_redis_connection(cluster.get_node_from_key(key))
+        except Exception:
+            node_client = None  # no slot map yet: the cluster client finds its way
+        if node_client is not None:
+            try:
+                return getattr(node_client, command)(*args, **options)
+            except (MovedError, AskError, TryAgainError, ClusterDownError, RedisConnectionError):
+                pass  # the slot moved or the node is gone: re-routed below, map refreshed
+        return getattr(cluster, command)(*args, **options)
+
+
 class SentinelMaster:
     """A ``redis+sentinel://`` URL: the sentinels and the master's clients."""
 
