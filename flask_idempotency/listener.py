@@ -247,9 +247,8 @@ class WakeupListener:
 
     def _block(self, sockets: list[socket.socket], timeout: float) -> None:
         interrupt = self._interrupt
-        watched: list[Any] = [*sockets, interrupt[0]] if interrupt is not None else sockets
-        readable, _, _ = select.select(watched, [], [], timeout)
-        if interrupt is not None and interrupt[0] in readable:
+        watched = [*sockets, interrupt[0]] if interrupt is not None else sockets
+        if interrupt is not None and interrupt[0].fileno() in wait_readable(watched, timeout):
             try:
                 interrupt[0].recv(64)
             except OSError:
@@ -320,6 +319,20 @@ def sockets_of(pubsub: Any) -> list[socket.socket] | None:
         return result
     sock = getattr(getattr(pubsub, "connection", None), "_sock", None)
     return [sock] if isinstance(sock, socket.socket) else None
+
+
+def wait_readable(sockets: list[socket.socket], timeout: float) -> set[int]:
+    """The file descriptors among ``sockets`` readable within ``timeout`` seconds.
+
+    ``poll``, not ``select``: a busy worker's descriptors can exceed ``select``'s 1024.
+    """
+    if not hasattr(select, "poll"):  # pragma: no cover - Windows
+        readable, _, _ = select.select(sockets, [], [], timeout)
+        return {sock.fileno() for sock in readable}
+    poller = select.poll()
+    for sock in sockets:
+        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return {fd for fd, _ in poller.poll(max(0, int(timeout * 1000) + 1))}
 
 
 def _close_quietly(pubsub: Any) -> None:

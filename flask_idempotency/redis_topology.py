@@ -22,14 +22,13 @@ URL forms: ``redis+cluster://[user:password@]host:port,host:port[?...]`` and
 
 from __future__ import annotations
 
-import select
 import socket
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
-from .listener import sockets_of
+from .listener import sockets_of, wait_readable
 
 #: Seconds between two looks at the topology while subscribed (failover, resharding).
 TOPOLOGY_CHECK_INTERVAL = 2.0
@@ -478,7 +477,7 @@ class _ShardedPubSub:
                 return
             sockets.append(sock)
         if sockets:
-            select.select(sockets, [], [], timeout)
+            wait_readable(sockets, timeout)
 
     def _translate(self, name: str, message: dict[str, Any]) -> dict[str, Any] | None:
         kind = message.get("type")

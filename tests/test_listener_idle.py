@@ -118,3 +118,31 @@ def test_a_half_open_connection_is_still_caught_by_the_heartbeat(server: RedisSe
     finally:
         subscriber.stop()
         proxy.stop()
+
+
+def test_the_listener_waits_on_descriptors_above_1024(server: RedisServer) -> None:
+    """A busy worker's sockets can be numbered past ``select``'s limit of 1024: the idle
+    listener still sleeps on its socket and hears messages (``poll``, not ``select``)."""
+    import os
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"the descriptor limit is {soft}")  # pragma: no cover - CI has 1024+
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    subscriber = listener.WakeupListener(
+        lambda: redis.Redis(port=server.port, socket_timeout=10.0), "idem:high:done"
+    )
+    hub = WakeupHub()
+    try:
+        _live(subscriber, hub)
+        time.sleep(1.0)  # asleep on its socket by now, or failing and reconnecting
+        assert subscriber.subscriptions == 1 and subscriber.live
+        with hub.parked("f" * 64) as parked:
+            redis.Redis(port=server.port).publish("idem:high:done", '{"k":"' + "f" * 64 + '"}')
+            assert parked.wait(EVENTUALLY) is True
+        assert subscriber.messages == 1 and subscriber.subscriptions == 1
+    finally:
+        subscriber.stop()
+        for fd in fillers:
+            os.close(fd)
