@@ -200,6 +200,39 @@ def measure(redis_url: str, wakeups: int, replays: int) -> dict[str, Any]:
             app.app.extensions["idempotency"].store.engine.dispose()
 
 
+def command_cpu(single_url: str, cluster_url: str, rounds: int = 2000) -> dict[str, float]:
+    """Thread CPU time per cache ``GET`` and per wake-up publish, in microseconds: one
+    node, ``RedisCluster``'s routing, and the direct path the extension uses. CPU time,
+    unlike the latencies above, does not depend on what else the machine runs."""
+    from flask_idempotency import redis_topology
+    from flask_idempotency.redis_tier import _client_from_url
+
+    single = _client_from_url(single_url, socket_timeout=1.0, connect_timeout=1.0)
+    routed = redis_topology.cluster_from_url(cluster_url, socket_timeout=1.0, connect_timeout=1.0)
+    direct = redis_topology.DirectCluster(routed)
+    key = f"bench:{{{uuid.uuid4().hex}}}"
+    single.set(key, b"x" * 300)
+    routed.set(key, b"x" * 300)
+    channel = "bench:done:{" + next(iter(redis_topology.shard_tags(routed).values())) + "}"
+
+    def per_call(call: Any) -> float:
+        for _ in range(200):
+            call()
+        started = time.thread_time()
+        for _ in range(rounds):
+            call()
+        return round((time.thread_time() - started) / rounds * 1e6, 1)
+
+    return {
+        "get_us_single": per_call(lambda: single.get(key)),
+        "get_us_cluster_routed": per_call(lambda: routed.get(key)),
+        "get_us_cluster_direct": per_call(lambda: direct.get(key)),
+        "publish_us_single": per_call(lambda: single.publish("bench:done", "x")),
+        "spublish_us_cluster_routed": per_call(lambda: routed.spublish(channel, "x")),
+        "spublish_us_cluster_direct": per_call(lambda: direct.spublish(channel, "x")),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--wakeups", type=int, default=60)
@@ -208,9 +241,12 @@ def main() -> None:
     args = parser.parse_args()
     servers = Servers()
     try:
-        results = {
-            "single": measure(servers.single(), args.wakeups, args.replays),
-            "cluster": measure(servers.cluster(), args.wakeups, args.replays),
+        single_url, cluster_url = servers.single(), servers.cluster()
+        results: dict[str, Any] = {
+            "single": measure(single_url, args.wakeups, args.replays),
+            "cluster": measure(cluster_url, args.wakeups, args.replays),
+            "command_cpu": command_cpu(single_url, cluster_url),
+            "load_average": os.getloadavg()[0],
         }
     finally:
         servers.stop()

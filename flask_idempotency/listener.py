@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import select
+import socket
 import threading
 import time
 import weakref
@@ -34,7 +37,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flask_idempotency")
 
-#: Seconds one ``get_message`` call may block: bounds how late ``stop()`` is noticed.
+#: Seconds one read may block when the subscriber's socket cannot be waited on directly
+#: (a test double, an exotic connection class). A real socket is waited on with
+#: ``select`` until a message, the next heartbeat or ``stop()``: an idle listener
+#: thread wakes once per heartbeat interval, not on a tick.
 READ_TICK = 0.5
 #: Seconds of silence after which the listener sends a heartbeat PING.
 HEARTBEAT_INTERVAL = 5.0
@@ -83,8 +89,11 @@ class WakeupListener:
         self.subscriptions = 0
         #: Wake-up messages received and dispatched.
         self.messages = 0
+        #: How many times the thread woke from waiting on its socket (idle cost; tests).
+        self.wakeups = 0
         #: Called by the thread when it ends (the registry forgets it).
         self.on_exit: Callable[[], None] | None = None
+        self._interrupt: tuple[socket.socket, socket.socket] | None = None
 
     # -- request threads -----------------------------------------------------------
 
@@ -100,6 +109,7 @@ class WakeupListener:
                 return False  # ended (idle or stopped): the next park gets a new listener
             self._hubs.add(hub)
             if self._thread is None:
+                self._interrupt = socket.socketpair()  # stop() wakes the blocked thread
                 self._thread = threading.Thread(
                     target=self._run, name="flask-idempotency-wakeups", daemon=True
                 )
@@ -127,6 +137,12 @@ class WakeupListener:
         self._stopping.set()
         with self._lock:
             thread = self._thread
+            interrupt = self._interrupt
+        if interrupt is not None:
+            try:
+                interrupt[1].send(b"x")
+            except OSError:
+                pass  # the thread already ended and closed it
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
@@ -170,6 +186,11 @@ class WakeupListener:
                 break
             backoff = min(backoff * 2, BACKOFF_CAP)
         self._stopping.set()
+        with self._lock:
+            interrupt, self._interrupt = self._interrupt, None
+        if interrupt is not None:
+            for end in interrupt:
+                end.close()
         if self.on_exit is not None:
             self.on_exit()
 
@@ -177,10 +198,32 @@ class WakeupListener:
         """Dispatch messages until the connection fails, goes quiet, or we stop."""
         started = last_heard = time.monotonic()
         ping_sent_at: float | None = None
+        check_interval = float(getattr(pubsub, "check_interval", math.inf))
+        waited = False
         while not self._stopping.is_set():
             if self._idle():
                 raise _Idle
-            message = pubsub.get_message(timeout=READ_TICK)
+            sockets = sockets_of(pubsub)
+            if sockets is None:  # nothing to select on: read on a tick
+                message = pubsub.get_message(timeout=READ_TICK)
+                self.wakeups += 1
+            else:
+                message = pubsub.get_message(timeout=0.0)  # what is buffered or readable now
+                if message is None and not waited:
+                    # Sleep on the socket until data, the next deadline, or stop().
+                    if ping_sent_at is not None:
+                        due = ping_sent_at + self._answer_timeout
+                    elif not self._confirmed.is_set():
+                        due = started + self._answer_timeout
+                    else:
+                        due = last_heard + self._heartbeat_interval
+                    timeout = min(due - time.monotonic(), check_interval)
+                    if timeout > 0:
+                        self._block(sockets, timeout)
+                        self.wakeups += 1
+                        waited = True
+                        continue
+                waited = False
             now = time.monotonic()
             if message is not None:
                 last_heard = now
@@ -201,6 +244,15 @@ class WakeupListener:
             elif now - last_heard >= self._heartbeat_interval:
                 pubsub.ping(_HEARTBEAT)
                 ping_sent_at = now
+
+    def _block(self, sockets: list[socket.socket], timeout: float) -> None:
+        interrupt = self._interrupt
+        watched = [*sockets, interrupt[0]] if interrupt is not None else sockets
+        if interrupt is not None and interrupt[0].fileno() in wait_readable(watched, timeout):
+            try:
+                interrupt[0].recv(64)
+            except OSError:
+                pass
 
     def _on_subscribed(self) -> None:
         if self.subscriptions:
@@ -255,6 +307,32 @@ def stop_all(timeout: float = 5.0) -> None:
 def running_listeners() -> list[WakeupListener]:
     """The listeners this process has started and not stopped."""
     return process.running_listeners()
+
+
+def sockets_of(pubsub: Any) -> list[socket.socket] | None:
+    """The sockets a subscriber's messages arrive on, or ``None`` if they cannot be
+    waited on with ``select`` (then the listener reads on a tick). Subscribers that
+    span several connections (the cluster's) say so with a ``sockets()`` method."""
+    own = getattr(pubsub, "sockets", None)
+    if callable(own):
+        result: list[socket.socket] | None = own()
+        return result
+    sock = getattr(getattr(pubsub, "connection", None), "_sock", None)
+    return [sock] if isinstance(sock, socket.socket) else None
+
+
+def wait_readable(sockets: list[socket.socket], timeout: float) -> set[int]:
+    """The file descriptors among ``sockets`` readable within ``timeout`` seconds.
+
+    ``poll``, not ``select``: a busy worker's descriptors can exceed ``select``'s 1024.
+    """
+    if not hasattr(select, "poll"):  # pragma: no cover - Windows
+        readable, _, _ = select.select(sockets, [], [], timeout)
+        return {sock.fileno() for sock in readable}
+    poller = select.poll()
+    for sock in sockets:
+        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return {fd for fd, _ in poller.poll(max(0, int(timeout * 1000) + 1))}
 
 
 def _close_quietly(pubsub: Any) -> None:

