@@ -258,6 +258,17 @@ def _no_listener_outlives_its_test() -> Iterator[None]:
     listener.stop_all()
 
 
+@pytest.fixture(autouse=True)
+def _no_pool_outlives_its_test() -> Iterator[None]:
+    """Every engine the extension built during a test has its connections closed when the
+    test ends, not when the collector gets to its app: apps live in reference cycles, and
+    until a full collection their PostgreSQL connections stay open by the dozen."""
+    from flask_idempotency import process
+
+    yield
+    process.close_engines()
+
+
 def redis_server_binary() -> str:
     path = shutil.which("redis-server")
     if path is None:
