@@ -229,7 +229,7 @@ class Renewer:
             return engine  # SQLite's pools: nothing to starve, and a copy may be another database
         held = self._engines.get(id(engine))
         if held is None or held[0] is not engine:
-            own = create_engine(engine.url, pool=engine.pool.recreate())
+            own = process.own_engine(create_engine(engine.url, pool=engine.pool.recreate()))
             held = self._engines[id(engine)] = (engine, own)
         return held[1]
 

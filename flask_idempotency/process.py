@@ -83,6 +83,13 @@ def own_engine(engine: Engine) -> Engine:
     return engine
 
 
+def close_engines() -> None:
+    """Close the idle pooled connections of every engine the extension built (tests, a
+    graceful shutdown); each engine stays usable and connects again on its next use."""
+    for engine in list(_engines):
+        engine.dispose()
+
+
 def once(slot: dict[str, T], build: Callable[[], T]) -> T:
     """``slot["value"]``, built on first need without holding a lock while building.
 

@@ -358,7 +358,8 @@ def test_c50_records_of_once_live_in_the_requests_table(make_app) -> None:
     with app.app_context():
         with ext.once("shared-table") as run:
             run.result = 1
-        rows = ext.store.autocommit.connect().execute(ext.store.table.select()).fetchall()
+        with ext.store.autocommit.connect() as conn:
+            rows = conn.execute(ext.store.table.select()).fetchall()
     assert [(r.method, r.path, r.scope) for r in rows] == [("ONCE", "once", "job:jobs")]
     assert isinstance(rows[0].key_digest, str) and Identity  # named by digest only (C30)
 

@@ -43,10 +43,10 @@ fi
 if command -v mariadb >/dev/null 2>&1 && mariadb -h 127.0.0.1 -u root -e 'SELECT 1' >/dev/null 2>&1; then
     mariadb -h 127.0.0.1 -u root -e 'CREATE DATABASE IF NOT EXISTS test' >/dev/null 2>&1 || true
 fi
-# PostgreSQL: the suite runs many real pools at once (gunicorn workers, forked children, a
-# gevent storm, a PgBouncer), each a few connections, beside the test process's own; the
-# default of 100 connections leaves too little headroom on a 2-core CI machine. Raised once
-# (ALTER SYSTEM, then a restart) where this script may; a server already set is left alone.
+# PostgreSQL: the suite by itself peaks at about 30 connections (the fast suite, measured:
+# every test's pools are closed when it ends, tests/conftest.py), but a CI machine runs other
+# suites on the same server, and the default of 100 leaves them too little headroom. Raised
+# once (ALTER SYSTEM, then a restart) where this script may; a server already set is left alone.
 want_connections=300
 if command -v psql >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
     have=$(psql -h 127.0.0.1 -U postgres -d postgres -tAc 'SHOW max_connections' 2>/dev/null || true)
