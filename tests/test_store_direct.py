@@ -1,0 +1,197 @@
+"""The psycopg2 request path on the pooled DBAPI connection directly (issue 11).
+
+CONTRACT C8, C9, C14, C26, C45: the claim, the replay and the completion run
+their statements on a cursor of a connection of the store's own autocommit pool,
+without SQLAlchemy's execution layer, and nothing the store promises changes: the
+same records, dead connections invalidated and retried, a broken table a
+deployment error, and an app's statement instrumentation still sees every statement.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from flask import jsonify
+from sqlalchemy import create_engine, event, text
+from sqlalchemy.engine import URL
+
+from flask_idempotency import idempotent
+from flask_idempotency.records import Identity, Record, StoredResponse
+from flask_idempotency.store import DurableStore, StoreError, StoreMisconfigured
+from flask_idempotency.store_direct import DirectStatements
+
+from .conftest import driver_url
+from .test_lifecycle import KEY, REPLAYED
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def store(pg_url: URL) -> Iterator[DurableStore]:
+    url = driver_url(pg_url, "psycopg2")
+    name = f"idem_direct_{uuid.uuid4().hex[:10]}"
+    made = DurableStore(
+        lambda: create_engine(url, pool_size=3, connect_args={"application_name": name}),
+        table_name=name,
+        create_table=True,
+    )
+    yield made
+    made.table.drop(made.engine, checkfirst=True)
+    made.engine.dispose()
+
+
+@pytest.fixture
+def runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The SQL of every statement run on the direct path."""
+    seen: list[str] = []
+    original = DirectStatements.run
+
+    def spy(self: DirectStatements, sql: str, work: Any) -> Any:
+        seen.append(sql)
+        return original(self, sql, work)
+
+    monkeypatch.setattr(DirectStatements, "run", spy)
+    return seen
+
+
+def identity_of(name: str) -> Identity:
+    digest = (uuid.uuid4().hex + uuid.uuid4().hex)[:64]
+    return Identity("anonymous", digest, name.ljust(64, "0")[:64], "POST", f"/{name}")
+
+
+RESPONSE = StoredResponse(201, (("Content-Type", "application/json"),), b'{"ok":true}\x00\xff')
+
+
+def test_i11_c9_c14_claim_replay_and_completion_run_on_the_direct_path(store, runs) -> None:
+    """C8/C9/C14: the claim, the completion and the replay each run one statement on the
+    direct path, and read back exactly the record SQLAlchemy's path reads."""
+    ident = identity_of("direct-1")
+    claim = store.acquire(ident, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+    replay = store.acquire(ident, ttl=60, lease=30)
+    assert len(runs) == 3, runs
+    assert runs[0].startswith("WITH ins AS") and runs[1].startswith("UPDATE")
+    assert isinstance(replay, Record) and replay.response == RESPONSE
+    assert type(replay.response.body) is bytes
+    through_sqlalchemy = store._run(
+        lambda conn: store._select(conn, ident.key_digest), store._single()
+    )
+    direct_read = store.get(ident.key_digest)
+    assert direct_read == replace_clock(direct_read, through_sqlalchemy)
+    assert replay == replace_clock(replay, through_sqlalchemy)
+
+
+def replace_clock(like: Record | None, record: Record | None) -> Record:
+    """``record`` with ``like``'s database clock, the one field two reads differ in."""
+    assert like is not None and record is not None
+    return Record(**{**record.__dict__, "now_ms": like.now_ms})
+
+
+def test_i11_c14_completion_with_a_lost_lease_is_none_on_the_direct_path(store, runs) -> None:
+    """C14: a completion whose token no longer owns the record changes nothing."""
+    ident = identity_of("direct-2")
+    claim = store.acquire(ident, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    stranger = type(claim)(claim.record_id, uuid.uuid4().hex, claim.expires_at_ms, "new")
+    assert store.complete(stranger, RESPONSE) is None
+    assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+    assert len(runs) == 3
+
+
+def test_i11_c26_dead_pooled_connections_are_invalidated_and_retried(store, runs) -> None:
+    """C26: the database dropped every pooled connection (a restart): the next call
+    finds a dead one, invalidates the pool's connections as SQLAlchemy would, and
+    succeeds on a fresh one instead of meeting the next dead one and answering 503."""
+    idents = [identity_of(f"direct-dead-{i}") for i in range(3)]
+    store.acquire(identity_of("direct-warm"), ttl=60, lease=30)  # set up and verified
+    pool = store._single()
+    assert pool is not None
+    held = [pool.raw_connection() for _ in range(3)]  # fill the pool with three connections
+    for conn in held:
+        conn.close()
+    with store.autocommit.connect() as admin:
+        killed = admin.execute(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE application_name = :name AND pid <> pg_backend_pid()"
+            ),
+            {"name": store.table.name},
+        ).scalar_one()
+    assert killed >= 3
+    for ident in idents:
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+    assert len(runs) == 1 + 6 + 1  # the warm-up, six statements, one retry
+
+
+def test_i11_c45_table_dropped_after_verification_is_a_deployment_error(store, runs) -> None:
+    """C45: the schema error on the direct path is classified as before, not as an outage."""
+    store.acquire(identity_of("direct-3"), ttl=60, lease=30)
+    store.table.drop(store.engine)
+    try:
+        with pytest.raises(StoreMisconfigured, match="create-table"):
+            store.acquire(identity_of("direct-4"), ttl=60, lease=30)
+    finally:
+        store.create_table()
+    assert len(runs) == 2
+
+
+def test_i11_c25_unreachable_database_is_a_store_error(pg_url: URL) -> None:
+    """C25/C26: a pool that cannot connect raises StoreError (the 503), like SQLAlchemy's path."""
+    url = driver_url(pg_url, "psycopg2").set(host="127.0.0.1", port=1)
+    broken = DurableStore(lambda: create_engine(url, connect_args={"connect_timeout": 1}))
+    broken._verified = True  # straight to the claim's statement
+    with pytest.raises(StoreError) as raised:
+        broken.acquire(identity_of("direct-5"), ttl=60, lease=30)
+    assert "OperationalError" in str(raised.value)
+
+
+def test_i11_statement_instrumentation_keeps_the_sqlalchemy_path(store, runs) -> None:
+    """An app's ``before_cursor_execute`` listener on every Engine still sees the store's
+    statements: the direct path steps aside rather than hide them."""
+    seen: list[str] = []
+
+    def listener(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    store.acquire(identity_of("direct-6"), ttl=60, lease=30)  # set up, verified
+    engine_class = type(store.engine)
+    event.listen(engine_class, "before_cursor_execute", listener)
+    try:
+        ident = identity_of("direct-7")
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+        replay = store.acquire(ident, ttl=60, lease=30)
+    finally:
+        event.remove(engine_class, "before_cursor_execute", listener)
+    assert isinstance(replay, Record) and replay.response == RESPONSE
+    assert len(seen) == 3 and len(runs) == 1, (seen, runs)
+
+
+def test_i11_c9_replay_over_http_through_the_direct_path(pg_url: URL, make_app: Any, runs) -> None:
+    """C9: an app on psycopg2 replays from PostgreSQL through the direct path."""
+    url = driver_url(pg_url, "psycopg2").render_as_string(hide_password=False)
+    app, _ = make_app({"IDEMPOTENCY_DATABASE_URI": url, "IDEMPOTENCY_CREATE_TABLE": True})
+    calls: list[int] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        calls.append(1)
+        return jsonify(n=len(calls)), 201
+
+    client = app.test_client()
+    first = client.post("/pay", json={"a": 1}, headers=KEY)
+    again = client.post("/pay", json={"a": 1}, headers=KEY)
+    assert first.status_code == again.status_code == 201
+    assert again.headers.get(REPLAYED) == "true" and again.json == {"n": 1}
+    assert calls == [1]
+    assert len(runs) == 3
+    store = app.extensions["idempotency"].store
+    store.table.drop(store.engine, checkfirst=True)
