@@ -58,7 +58,7 @@ from .records import (
     StoredResponse,
     record_from_values,
 )
-from .store_direct import DirectStatements
+from .store_direct import DirectSQL, DirectStatements
 from .table import db_now_ms, idempotency_table
 
 log = logging.getLogger("flask_idempotency")
@@ -110,7 +110,7 @@ class DurableStore:
         self._single_slot: dict[str, tuple[Engine | None]] = {}
         self._direct_runner: DirectStatements | None = None
         #: The direct path's statements as psycopg2 SQL, by name (:meth:`_direct_sql`).
-        self._direct_cache: dict[str, _DirectSQL] = {}
+        self._direct_cache: dict[str, DirectSQL] = {}
         self._setup_lock = process.lazy_lock()
 
     # -- engines -----------------------------------------------------------------
@@ -363,15 +363,15 @@ class DurableStore:
             statement = self._direct_sql("claim", self._at_once_statement)
         params = {**statement.defaults, **_claim_params(ident, token, ttl_ms, lease_ms)}
 
-        def claim_or_read(cursor: Any) -> tuple[Any, ...] | None:
-            cursor.execute(statement.sql, params)
-            return cursor.fetchone()  # type: ignore[no-any-return]
+        def claim_or_read(cursor: Any, info: dict[str, Any]) -> Any:
+            return direct.fetchone(cursor, info, statement, params)
 
         row = self._run_direct(direct, statement.sql, claim_or_read)
         if row is None:  # pragma: no cover - the outer SELECT always yields one row
             return None
         if row[0] is not None:  # claimed_id
             return Claim(int(row[0]), token, int(row[1]), "new")
+        assert statement.record_values is not None
         record = statement.record_values(row)
         return None if record[0] is None else record_from_values(record)
 
@@ -380,18 +380,18 @@ class DurableStore:
         runner = self._direct_runner
         return runner if runner is not None and runner.usable() else None
 
-    def _direct_sql(self, name: str, build: Callable[[], Any], *, prefix: str = "") -> _DirectSQL:
+    def _direct_sql(self, name: str, build: Callable[[], Any], *, prefix: str = "") -> DirectSQL:
         """The statement ``build()`` compiled once for the direct path, cached by ``name``."""
         cached = self._direct_cache.get(name)
         if cached is None:
             runner = self._direct_runner
             assert runner is not None
             statement = build()
-            sql, defaults = runner.compile(statement)
             names = [c.key for c in statement.exported_columns]
             at = [names.index(column) for column in RECORD_COLUMNS if column in names]
             getter = operator.itemgetter(*at) if len(at) == len(RECORD_COLUMNS) else None
-            cached = self._direct_cache.setdefault(name, _DirectSQL(prefix + sql, defaults, getter))
+            compiled = runner.compile(statement, getter, prefix)
+            cached = self._direct_cache.setdefault(name, compiled)
         return cached
 
     def _at_once_statement(self) -> Any:
@@ -547,12 +547,14 @@ class DurableStore:
         statement = self._direct_sql("get", self._select_statement)
         params = {**statement.defaults, "p_key_digest": key_digest}
 
-        def read(cursor: Any) -> Any:
-            cursor.execute(statement.sql, params)
-            return cursor.fetchone()
+        def read(cursor: Any, info: dict[str, Any]) -> Any:
+            return direct.fetchone(cursor, info, statement, params)
 
         row = self._run_direct(direct, statement.sql, read)
-        return None if row is None else record_from_values(statement.record_values(row))
+        if row is None:
+            return None
+        assert statement.record_values is not None
+        return record_from_values(statement.record_values(row))
 
     def _select(self, conn: Connection, key_digest: str) -> Record | None:
         row = conn.execute(self._select_statement(), {"p_key_digest": key_digest}).first()
@@ -631,16 +633,14 @@ class DurableStore:
         }
         attempts = 0
 
-        def complete_own(cursor: Any) -> int | None:
+        def complete_own(cursor: Any, info: dict[str, Any]) -> int | None:
             nonlocal attempts
             attempts += 1
-            cursor.execute(statement.sql, params)
-            row = cursor.fetchone()
+            row = direct.fetchone(cursor, info, statement, params)
             if row is None and attempts > 1:
                 # An earlier attempt's COMMIT may have reached the server with its reply
                 # lost: the completed row still carries our token (C14).
-                cursor.execute(applied.sql, applied_params)
-                row = cursor.fetchone()
+                row = direct.fetchone(cursor, info, applied, applied_params)
             return None if row is None else int(row[0])
 
         return self._run_direct(direct, statement.sql, complete_own)
@@ -818,7 +818,9 @@ class DurableStore:
 
         return self._retrying(once, lock_wait_is_final=lock_wait_is_final)
 
-    def _run_direct(self, direct: DirectStatements, sql: str, work: Callable[[Any], T]) -> T:
+    def _run_direct(
+        self, direct: DirectStatements, sql: str, work: Callable[[Any, dict[str, Any]], T]
+    ) -> T:
         """:meth:`_run` for ``work`` on a cursor of the direct path (:mod:`.store_direct`)."""
         return self._retrying(lambda: direct.run(sql, work))
 
@@ -853,22 +855,6 @@ class DurableStore:
 
 #: Put before the claim: it commits without waiting for the WAL flush (``async_claim``).
 _ASYNC_PREFIX = "SET LOCAL synchronous_commit = off; "
-
-
-class _DirectSQL:
-    """A statement compiled for the direct path: its SQL, constant parameters, and where
-    a :class:`Record`'s columns are in its rows (``None`` if it reads no record)."""
-
-    __slots__ = ("_record", "defaults", "sql")
-
-    def __init__(self, sql: str, defaults: dict[str, Any], record: Any) -> None:
-        self.sql = sql
-        self.defaults = defaults
-        self._record = record
-
-    def record_values(self, row: Any) -> Any:
-        """A row's values in :data:`RECORD_COLUMNS` order."""
-        return self._record(row)
 
 
 def _claim_params(ident: Identity, token: str, ttl_ms: int, lease_ms: int) -> dict[str, Any]:

@@ -21,6 +21,9 @@ the ordinary path). Every other driver and mode runs through SQLAlchemy.
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -28,6 +31,52 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 T = TypeVar("T")
+
+log = logging.getLogger("flask_idempotency")
+
+#: The key of the set of statements prepared on a pooled connection, in the pool's
+#: per-connection ``info`` (emptied by SQLAlchemy when the connection is replaced).
+_PREPARED = "flask_idempotency.prepared"
+#: "prepared statement does not exist" / "already exists": the statements of one
+#: pooled connection are not on one server connection (a transaction pooler between).
+_NOT_ONE_SERVER_CONNECTION = frozenset({"26000", "42P05"})
+#: "cached plan must not change result type": the table changed under a prepared statement.
+_REPLANNED_RESULT = "0A000"
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+
+
+class DirectSQL:
+    """A statement compiled once for the direct path.
+
+    ``sql`` with its ``defaults`` (the constant parameters) runs as it is; the same
+    statement as a server-side prepared statement is ``prepare`` (once per pooled
+    connection) and ``execute``, named by a hash of its text so that a name always
+    means this very statement. ``record_values``: a row's values in
+    :data:`~flask_idempotency.records.RECORD_COLUMNS` order (statements that read a record).
+    """
+
+    __slots__ = ("defaults", "execute", "name", "prepare", "record_values", "sql")
+
+    def __init__(
+        self, compiled: Any, dialect: Any, record_values: Callable[[Any], Any] | None, prefix: str
+    ) -> None:
+        sql: str = compiled.string
+        self.sql = prefix + sql
+        self.defaults: dict[str, Any] = dict(compiled.params)
+        self.record_values = record_values
+        names: list[str] = []
+        for name in _PLACEHOLDER.findall(sql):
+            if name not in names:
+                names.append(name)
+        types = ", ".join(
+            dialect.type_compiler_instance.process(compiled.binds[name].type) for name in names
+        )
+        numbered = _PLACEHOLDER.sub(lambda m: f"${names.index(m.group(1)) + 1}", sql)
+        digest = hashlib.sha256(f"{types}|{numbered}".encode()).hexdigest()[:24]
+        self.name = f"flask_idempotency_{digest}"
+        self.prepare = f"PREPARE {self.name} ({types}) AS {numbered}"
+        arguments = ", ".join(f"%({name})s" for name in names)
+        self.execute = f"{prefix}EXECUTE {self.name} ({arguments})"
 
 
 class DirectStatements:
@@ -37,6 +86,8 @@ class DirectStatements:
         self._engine = engine  # its pool is replaced when a forked child disposes it
         self._dialect = engine.dialect
         self._error: type[Exception] = engine.dialect.loaded_dbapi.Error
+        #: Prepare statements on the server; off for good once a pooler is seen.
+        self.prepare = True
 
     def usable(self) -> bool:
         """No listener on the engine would miss the statements run here."""
@@ -47,16 +98,54 @@ class DirectStatements:
             or self._dialect.dispatch.handle_error
         )
 
-    def compile(self, statement: Any) -> tuple[str, dict[str, Any]]:
-        """The driver's SQL of ``statement`` and the values of its constant parameters."""
-        compiled = statement.compile(dialect=self._dialect)
-        return compiled.string, dict(compiled.params)
+    def compile(
+        self, statement: Any, record_values: Callable[[Any], Any] | None = None, prefix: str = ""
+    ) -> DirectSQL:
+        """``statement`` compiled for the direct path (``prefix``: SQL run before it)."""
+        return DirectSQL(
+            statement.compile(dialect=self._dialect), self._dialect, record_values, prefix
+        )
 
-    def run(self, sql: str, work: Callable[[Any], T]) -> T:
-        """``work(cursor)`` on one pooled connection; a driver error as SQLAlchemy raises it.
+    def fetchone(
+        self, cursor: Any, info: dict[str, Any], statement: DirectSQL, params: dict[str, Any]
+    ) -> Any:
+        """Run ``statement`` on ``cursor`` (in :meth:`run`'s ``work``, with its connection's
+        ``info``); its first row.
+
+        Parsing and planning the claim's statement cost the server about twice what
+        running it does, so it is prepared once per pooled connection: the first use
+        sends ``PREPARE`` and ``EXECUTE`` in one round trip, later ones ``EXECUTE``.
+        """
+        if not self.prepare:
+            cursor.execute(statement.sql, params)
+            return cursor.fetchone()
+        prepared = info.setdefault(_PREPARED, set())
+        if statement.name in prepared:
+            cursor.execute(statement.execute, params)
+        else:
+            cursor.execute(f"{statement.prepare}; {statement.execute}", params)
+            prepared.add(statement.name)
+        return cursor.fetchone()
+
+    def run(self, sql: str, work: Callable[[Any, dict[str, Any]], T]) -> T:
+        """``work(cursor, info)`` on one pooled connection (``info``: the pool's dictionary
+        for that connection); a driver error as SQLAlchemy raises it.
 
         ``sql`` is only for the error's message.
         """
+        try:
+            return self._run_once(sql, work)
+        except DBAPIError as exc:
+            if getattr(exc.orig, "pgcode", None) not in _NOT_ONE_SERVER_CONNECTION:
+                raise  # those two only ever come from our PREPARE or EXECUTE
+        # The statement did not run: its connection's prepared statements are not on
+        # the server connection it reached (PgBouncer in transaction mode).
+        if self.prepare:
+            self.prepare = False
+            log.info("idempotency: a connection pooler is in use; statements are not prepared")
+        return self._run_once(sql, work)
+
+    def _run_once(self, sql: str, work: Callable[[Any, dict[str, Any]], T]) -> T:
         try:
             conn = self._engine.pool.connect()
         except self._error as exc:
@@ -64,11 +153,18 @@ class DirectStatements:
         try:
             cursor = conn.dbapi_connection.cursor()  # type: ignore[union-attr]
             try:
-                return work(cursor)
+                return work(cursor, conn.info)
             finally:
                 cursor.close()
         except self._error as exc:
-            raise self._wrap(exc, sql, conn, cursor) from exc
+            wrapped = self._wrap(exc, sql, conn, cursor)
+            if conn.is_valid and _PREPARED in conn.info:
+                # Which statements the server kept for this connection is unknown now:
+                # start afresh on a new connection.
+                conn.invalidate(exc)
+                if getattr(exc, "pgcode", None) == _REPLANNED_RESULT:
+                    wrapped.connection_invalidated = True  # a fresh connection will do: retried
+            raise wrapped from exc
         except BaseException as exc:
             # Interrupted mid-statement (a timeout, an exit): the connection's state
             # is unknown, so it never returns to the pool as it is (as SQLAlchemy does).

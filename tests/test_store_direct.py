@@ -195,3 +195,71 @@ def test_i11_c9_replay_over_http_through_the_direct_path(pg_url: URL, make_app: 
     assert len(runs) == 3
     store = app.extensions["idempotency"].store
     store.table.drop(store.engine, checkfirst=True)
+
+
+def server_prepared(store: DurableStore) -> set[str]:
+    """The statements prepared on the server for the pool's next connection."""
+    pool = store._single()
+    assert pool is not None
+    conn = pool.raw_connection()
+    try:
+        cursor = conn.cursor()
+        cursor.execute("SELECT name FROM pg_prepared_statements")
+        return {name for (name,) in cursor.fetchall()}
+    finally:
+        conn.close()
+
+
+def test_i11_statements_are_prepared_once_per_connection(store, runs) -> None:
+    """The claim, the completion and the read are prepared on the server on first use
+    (PREPARE and EXECUTE in one round trip), then only executed."""
+    ident = identity_of("prep-1")
+    claim = store.acquire(ident, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    store.complete(claim, RESPONSE)
+    assert isinstance(store.acquire(ident, ttl=60, lease=30), Record)
+    assert store.get(ident.key_digest) is not None
+    names = server_prepared(store)
+    assert len([n for n in names if n.startswith("flask_idempotency_")]) == 3, names
+    direct = store._direct()
+    assert direct is not None and direct.prepare
+
+
+def test_i11_statements_gone_from_the_server_connection_fall_back_to_plain_sql(
+    store, runs, caplog
+) -> None:
+    """A transaction pooler hands the next statement to a server connection that never
+    saw our PREPARE (simulated: the statements deallocated behind the pool's back):
+    the call still succeeds, and the store stops preparing statements."""
+    ident = identity_of("prep-2")
+    claim = store.acquire(ident, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    pool = store._single()
+    assert pool is not None
+    conn = pool.raw_connection()
+    conn.cursor().execute("DEALLOCATE ALL")
+    conn.close()
+    with caplog.at_level("INFO", logger="flask_idempotency"):
+        assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+        replay = store.acquire(ident, ttl=60, lease=30)  # its EXECUTE meets no statement
+    assert isinstance(replay, Record) and replay.response == RESPONSE
+    direct = store._direct()
+    assert direct is not None and not direct.prepare
+    assert any("not prepared" in r.getMessage() for r in caplog.records)
+
+
+def test_i11_table_changed_under_prepared_statements_is_not_an_outage(store, runs) -> None:
+    """A migration changes a column's type while statements are prepared on pooled
+    connections ("cached plan must not change result type"): the call is retried on a
+    fresh connection instead of answering 503."""
+    first = identity_of("prep-3")
+    claim = store.acquire(first, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    store.complete(claim, RESPONSE)
+    assert isinstance(store.acquire(first, ttl=60, lease=30), Record)
+    with store.autocommit.connect() as admin:
+        admin.exec_driver_sql(
+            f'ALTER TABLE "{store.table.name}" ALTER COLUMN scope TYPE varchar(300)'
+        )
+    replay = store.acquire(first, ttl=60, lease=30)
+    assert isinstance(replay, Record) and replay.response == RESPONSE
