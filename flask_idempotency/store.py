@@ -395,11 +395,17 @@ class DurableStore:
         return cached
 
     def _at_once_statement(self) -> Any:
-        """``WITH ins AS (INSERT … RETURNING) SELECT ins.*, r.*, now FROM one LEFT JOIN ins
-        LEFT JOIN table AS r ON r.key_digest = …``, built once."""
+        """``WITH ins AS (INSERT … SELECT … WHERE NOT EXISTS (the key) … RETURNING) SELECT
+        ins.*, r.*, now FROM one LEFT JOIN ins LEFT JOIN table AS r ON r.key_digest = …``,
+        built once (PostgreSQL).
+
+        The INSERT is not even attempted when the statement's snapshot already holds
+        the key (a replay): no sequence value is drawn and no speculative insertion
+        is checked against the unique index.
+        """
         stmt = self._at_once_stmt
         if stmt is None:
-            ins = self._claim_statement().cte("ins")
+            ins = dialects.insert_unless_present(self.table, self._claim_values()).cte("ins")
             r = self.table.alias("r")
             one = select(literal(1).label("one")).subquery("one")
             stmt = self._at_once_stmt = select(
@@ -428,26 +434,29 @@ class DurableStore:
         """``INSERT … ON CONFLICT DO NOTHING RETURNING`` with the request's values as parameters."""
         stmt = self._claim_stmt
         if stmt is None:
-            t = self.table
-            now = db_now_ms()
-            values: dict[str, Any] = {
-                "key_digest": bindparam("p_key_digest", type_=t.c.key_digest.type),
-                "scope": bindparam("p_scope", type_=t.c.scope.type),
-                "fingerprint": bindparam("p_fingerprint", type_=t.c.fingerprint.type),
-                "method": bindparam("p_method", type_=t.c.method.type),
-                "path": bindparam("p_path", type_=t.c.path.type),
-                "state": IN_PROGRESS,
-                "lock_token": bindparam("p_lock_token", type_=t.c.lock_token.type),
-                "created_at_ms": now,
-                "expires_at_ms": now + bindparam("p_ttl_ms", type_=BigInteger()),
-                "lease_expires_at_ms": now + bindparam("p_lease_ms", type_=BigInteger()),
-            }
             try:
-                stmt = dialects.insert_or_nothing(self.dialect, t, values)
+                stmt = dialects.insert_or_nothing(self.dialect, self.table, self._claim_values())
             except ValueError as exc:
                 raise StoreError(str(exc)) from None
             self._claim_stmt = stmt
         return stmt
+
+    def _claim_values(self) -> dict[str, Any]:
+        """The claim's column values: the request's as parameters, times from the database."""
+        t = self.table
+        now = db_now_ms()
+        return {
+            "key_digest": bindparam("p_key_digest", type_=t.c.key_digest.type),
+            "scope": bindparam("p_scope", type_=t.c.scope.type),
+            "fingerprint": bindparam("p_fingerprint", type_=t.c.fingerprint.type),
+            "method": bindparam("p_method", type_=t.c.method.type),
+            "path": bindparam("p_path", type_=t.c.path.type),
+            "state": IN_PROGRESS,
+            "lock_token": bindparam("p_lock_token", type_=t.c.lock_token.type),
+            "created_at_ms": now,
+            "expires_at_ms": now + bindparam("p_ttl_ms", type_=BigInteger()),
+            "lease_expires_at_ms": now + bindparam("p_lease_ms", type_=BigInteger()),
+        }
 
     def _replace_expired(
         self, record: Record, ident: Identity, token: str, ttl_ms: int, lease_ms: int
