@@ -12,6 +12,8 @@ its checkout and return, pre-ping, recycling, its events and fork reset, and a
 failure reaches the store as the very ``DBAPIError`` SQLAlchemy would have raised
 (a dead connection invalidated, with the whole pool's older connections, as
 SQLAlchemy does), so the store's retry and outage rules (C26) see no difference.
+The statements are prepared on the server once per pooled connection, until a
+transaction pooler shows (:meth:`DirectStatements.fetchone`, :meth:`DirectStatements.run`).
 
 Used only where nothing else could observe the difference: the store's own
 autocommit pool, whose engine has no ``before/after_cursor_execute`` or
@@ -112,9 +114,9 @@ class DirectStatements:
         """Run ``statement`` on ``cursor`` (in :meth:`run`'s ``work``, with its connection's
         ``info``); its first row.
 
-        Parsing and planning the claim's statement cost the server about twice what
-        running it does, so it is prepared once per pooled connection: the first use
-        sends ``PREPARE`` and ``EXECUTE`` in one round trip, later ones ``EXECUTE``.
+        Parsing and planning the claim's statement cost the server more than running
+        it, so it is prepared once per pooled connection: the first use sends
+        ``PREPARE`` and ``EXECUTE`` in one round trip, later ones ``EXECUTE``.
         """
         if not self.prepare:
             cursor.execute(statement.sql, params)
@@ -150,6 +152,7 @@ class DirectStatements:
             conn = self._engine.pool.connect()
         except self._error as exc:
             raise self._wrap(exc, sql, None, None) from exc
+        cursor = None  # making it can fail too (a connection closed on the client side)
         try:
             cursor = conn.dbapi_connection.cursor()  # type: ignore[union-attr]
             try:

@@ -263,3 +263,22 @@ def test_i11_table_changed_under_prepared_statements_is_not_an_outage(store, run
         )
     replay = store.acquire(first, ttl=60, lease=30)
     assert isinstance(replay, Record) and replay.response == RESPONSE
+
+
+def test_i11_c26_pooled_connection_closed_on_the_client_is_invalidated_and_retried(
+    store, runs
+) -> None:
+    """C26: a pooled psycopg2 connection already closed on the client side fails when the
+    cursor is made, before any statement: it is invalidated and the call retried (it
+    raised UnboundLocalError, a 500, when that failure came before the cursor existed)."""
+    ident = identity_of("closed-1")
+    store.acquire(ident, ttl=60, lease=30)
+    pool = store._single()
+    assert pool is not None
+    conn = pool.raw_connection()
+    dbapi_connection = conn.dbapi_connection
+    conn.close()  # back in the pool, healthy
+    dbapi_connection.close()  # type: ignore[union-attr]
+    claim = store.acquire(identity_of("closed-2"), ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    assert store.complete(claim, RESPONSE) == claim.expires_at_ms
