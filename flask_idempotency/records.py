@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any
 
 IN_PROGRESS = "in_progress"
@@ -148,3 +149,75 @@ class Claim:
     expires_at_ms: int
     #: How the claim was won: ``new``, ``replaced`` (an expired record), ``taken_over``.
     how: str
+
+
+#: The columns a :class:`Record` is read from, in the order :func:`record_from_values` takes.
+RECORD_COLUMNS = (
+    "id",
+    "key_digest",
+    "scope",
+    "fingerprint",
+    "method",
+    "path",
+    "state",
+    "lock_token",
+    "created_at_ms",
+    "expires_at_ms",
+    "lease_expires_at_ms",
+    "completed_at_ms",
+    "response_status",
+    "response_headers",
+    "response_body",
+    "body_omitted",
+    "now_ms",
+)
+
+
+def record_from_values(values: Sequence[Any]) -> Record:
+    """A :class:`Record` from the values of :data:`RECORD_COLUMNS`, in that order.
+
+    Positional, so that a driver's plain row tuple needs no per-row name lookups.
+    """
+    (
+        id_,
+        key_digest,
+        scope,
+        fingerprint,
+        method,
+        path,
+        state,
+        lock_token,
+        created_at_ms,
+        expires_at_ms,
+        lease_expires_at_ms,
+        completed_at_ms,
+        status,
+        headers,
+        body,
+        omitted,
+        now_ms,
+    ) = values
+    response = None
+    if state == COMPLETED and status is not None:
+        response = StoredResponse(
+            status=int(status),
+            headers=StoredResponse.headers_from_json(headers),
+            body=bytes(body or b""),
+            body_omitted=bool(omitted),
+        )
+    return Record(
+        id=int(id_),
+        key_digest=key_digest,
+        scope=scope,
+        fingerprint=fingerprint,
+        method=method,
+        path=path,
+        state=state,
+        lock_token=lock_token,
+        created_at_ms=int(created_at_ms),
+        expires_at_ms=int(expires_at_ms),
+        lease_expires_at_ms=None if lease_expires_at_ms is None else int(lease_expires_at_ms),
+        completed_at_ms=None if completed_at_ms is None else int(completed_at_ms),
+        response=response,
+        now_ms=int(now_ms),
+    )

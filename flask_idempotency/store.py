@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import random
 import time
 import uuid
@@ -47,7 +48,17 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from . import process
 from . import store_dialects as dialects
-from .records import COMPLETED, IN_PROGRESS, Claim, Identity, Record, StoredResponse
+from .records import (
+    COMPLETED,
+    IN_PROGRESS,
+    RECORD_COLUMNS,
+    Claim,
+    Identity,
+    Record,
+    StoredResponse,
+    record_from_values,
+)
+from .store_direct import DirectSQL, DirectStatements
 from .table import db_now_ms, idempotency_table
 
 log = logging.getLogger("flask_idempotency")
@@ -97,6 +108,9 @@ class DurableStore:
         self._at_once_sql: tuple[str, dict[str, Any]] | None = None
         self._at_once_stmt: Any = None
         self._single_slot: dict[str, tuple[Engine | None]] = {}
+        self._direct_runner: DirectStatements | None = None
+        #: The direct path's statements as psycopg2 SQL, by name (:meth:`_direct_sql`).
+        self._direct_cache: dict[str, DirectSQL] = {}
         self._setup_lock = process.lazy_lock()
 
     # -- engines -----------------------------------------------------------------
@@ -142,6 +156,8 @@ class DurableStore:
                 self._create_if_missing(single or engine)
             except SQLAlchemyError as exc:
                 raise StoreError(f"could not create the table: {_describe(exc)}") from exc
+        if single is not None:
+            self._direct_runner = DirectStatements(single)
         return engine, engine.execution_options(isolation_level="AUTOCOMMIT"), single
 
     def _sibling_of(self, engine: Engine) -> Engine | None:
@@ -229,7 +245,10 @@ class DurableStore:
 
             # A literal % in the table name would read as a placeholder in the driver's SQL.
             single = None if guard_locks or "%" in self.table.fullname else self._single()
-            if single is not None:
+            direct = None if single is None else self._direct()
+            if direct is not None:
+                outcome = self._claim_or_read_direct(direct, ident, token, ttl_ms, lease_ms)
+            elif single is not None:
                 outcome = self._run(
                     functools.partial(
                         self._claim_or_read_at_once,
@@ -306,7 +325,7 @@ class DurableStore:
         cached = self._async_claim_sql
         if cached is None:
             compiled = self._claim_statement().compile(dialect=conn.dialect)
-            sql = "SET LOCAL synchronous_commit = off; " + compiled.string
+            sql = _ASYNC_PREFIX + compiled.string
             cached = self._async_claim_sql = (sql, dict(compiled.params))
         return cached
 
@@ -332,12 +351,61 @@ class DurableStore:
             return Claim(int(row.claimed_id), token, int(row.claimed_expires_at_ms), "new")
         return None if row.id is None else _to_record(row)
 
+    def _claim_or_read_direct(
+        self, direct: DirectStatements, ident: Identity, token: str, ttl_ms: int, lease_ms: int
+    ) -> Claim | Record | None:
+        """:meth:`_claim_or_read_at_once` on the pooled psycopg2 connection directly."""
+        if self.async_claim:
+            statement = self._direct_sql(
+                "claim_async", self._at_once_statement, prefix=_ASYNC_PREFIX
+            )
+        else:
+            statement = self._direct_sql("claim", self._at_once_statement)
+        params = {**statement.defaults, **_claim_params(ident, token, ttl_ms, lease_ms)}
+
+        def claim_or_read(cursor: Any, info: dict[str, Any]) -> Any:
+            return direct.fetchone(cursor, info, statement, params)
+
+        row = self._run_direct(direct, statement.sql, claim_or_read)
+        if row is None:  # pragma: no cover - the outer SELECT always yields one row
+            return None
+        if row[0] is not None:  # claimed_id
+            return Claim(int(row[0]), token, int(row[1]), "new")
+        assert statement.record_values is not None
+        record = statement.record_values(row)
+        return None if record[0] is None else record_from_values(record)
+
+    def _direct(self) -> DirectStatements | None:
+        """The direct runner of the autocommit pool, if nothing would miss its statements."""
+        runner = self._direct_runner
+        return runner if runner is not None and runner.usable() else None
+
+    def _direct_sql(self, name: str, build: Callable[[], Any], *, prefix: str = "") -> DirectSQL:
+        """The statement ``build()`` compiled once for the direct path, cached by ``name``."""
+        cached = self._direct_cache.get(name)
+        if cached is None:
+            runner = self._direct_runner
+            assert runner is not None
+            statement = build()
+            names = [c.key for c in statement.exported_columns]
+            at = [names.index(column) for column in RECORD_COLUMNS if column in names]
+            getter = operator.itemgetter(*at) if len(at) == len(RECORD_COLUMNS) else None
+            compiled = runner.compile(statement, getter, prefix)
+            cached = self._direct_cache.setdefault(name, compiled)
+        return cached
+
     def _at_once_statement(self) -> Any:
-        """``WITH ins AS (INSERT … RETURNING) SELECT ins.*, r.*, now FROM one LEFT JOIN ins
-        LEFT JOIN table AS r ON r.key_digest = …``, built once."""
+        """``WITH ins AS (INSERT … SELECT … WHERE NOT EXISTS (the key) … RETURNING) SELECT
+        ins.*, r.*, now FROM one LEFT JOIN ins LEFT JOIN table AS r ON r.key_digest = …``,
+        built once (PostgreSQL).
+
+        The INSERT is not even attempted when the statement's snapshot already holds
+        the key (a replay): no sequence value is drawn and no speculative insertion
+        is checked against the unique index.
+        """
         stmt = self._at_once_stmt
         if stmt is None:
-            ins = self._claim_statement().cte("ins")
+            ins = dialects.insert_unless_present(self.table, self._claim_values()).cte("ins")
             r = self.table.alias("r")
             one = select(literal(1).label("one")).subquery("one")
             stmt = self._at_once_stmt = select(
@@ -358,7 +426,7 @@ class DurableStore:
         cached = self._at_once_sql
         if cached is None:
             compiled = self._at_once_statement().compile(dialect=conn.dialect)
-            sql = "SET LOCAL synchronous_commit = off; " + compiled.string
+            sql = _ASYNC_PREFIX + compiled.string
             cached = self._at_once_sql = (sql, dict(compiled.params))
         return cached
 
@@ -366,26 +434,29 @@ class DurableStore:
         """``INSERT … ON CONFLICT DO NOTHING RETURNING`` with the request's values as parameters."""
         stmt = self._claim_stmt
         if stmt is None:
-            t = self.table
-            now = db_now_ms()
-            values: dict[str, Any] = {
-                "key_digest": bindparam("p_key_digest", type_=t.c.key_digest.type),
-                "scope": bindparam("p_scope", type_=t.c.scope.type),
-                "fingerprint": bindparam("p_fingerprint", type_=t.c.fingerprint.type),
-                "method": bindparam("p_method", type_=t.c.method.type),
-                "path": bindparam("p_path", type_=t.c.path.type),
-                "state": IN_PROGRESS,
-                "lock_token": bindparam("p_lock_token", type_=t.c.lock_token.type),
-                "created_at_ms": now,
-                "expires_at_ms": now + bindparam("p_ttl_ms", type_=BigInteger()),
-                "lease_expires_at_ms": now + bindparam("p_lease_ms", type_=BigInteger()),
-            }
             try:
-                stmt = dialects.insert_or_nothing(self.dialect, t, values)
+                stmt = dialects.insert_or_nothing(self.dialect, self.table, self._claim_values())
             except ValueError as exc:
                 raise StoreError(str(exc)) from None
             self._claim_stmt = stmt
         return stmt
+
+    def _claim_values(self) -> dict[str, Any]:
+        """The claim's column values: the request's as parameters, times from the database."""
+        t = self.table
+        now = db_now_ms()
+        return {
+            "key_digest": bindparam("p_key_digest", type_=t.c.key_digest.type),
+            "scope": bindparam("p_scope", type_=t.c.scope.type),
+            "fingerprint": bindparam("p_fingerprint", type_=t.c.fingerprint.type),
+            "method": bindparam("p_method", type_=t.c.method.type),
+            "path": bindparam("p_path", type_=t.c.path.type),
+            "state": IN_PROGRESS,
+            "lock_token": bindparam("p_lock_token", type_=t.c.lock_token.type),
+            "created_at_ms": now,
+            "expires_at_ms": now + bindparam("p_ttl_ms", type_=BigInteger()),
+            "lease_expires_at_ms": now + bindparam("p_lease_ms", type_=BigInteger()),
+        }
 
     def _replace_expired(
         self, record: Record, ident: Identity, token: str, ttl_ms: int, lease_ms: int
@@ -478,35 +549,44 @@ class DurableStore:
 
     def get(self, key_digest: str) -> Record | None:
         """The record named ``key_digest``, read with the database clock (no lock taken, R74)."""
-        return self._run(lambda conn: self._select(conn, key_digest), self._single())
+        single = self._single()
+        direct = None if single is None or "%" in self.table.fullname else self._direct()
+        if direct is None:
+            return self._run(lambda conn: self._select(conn, key_digest), single)
+        statement = self._direct_sql("get", self._select_statement)
+        params = {**statement.defaults, "p_key_digest": key_digest}
+
+        def read(cursor: Any, info: dict[str, Any]) -> Any:
+            return direct.fetchone(cursor, info, statement, params)
+
+        row = self._run_direct(direct, statement.sql, read)
+        if row is None:
+            return None
+        assert statement.record_values is not None
+        return record_from_values(statement.record_values(row))
 
     def _select(self, conn: Connection, key_digest: str) -> Record | None:
+        row = conn.execute(self._select_statement(), {"p_key_digest": key_digest}).first()
+        return None if row is None else _to_record(row)
+
+    def _select_statement(self) -> Any:
         stmt = self._get_stmt
         if stmt is None:
             t = self.table
             stmt = self._get_stmt = select(t, db_now_ms().label("now_ms")).where(
-                t.c.key_digest == bindparam("p_key_digest")
+                t.c.key_digest == bindparam("p_key_digest", type_=t.c.key_digest.type)
             )
-        row = conn.execute(stmt, {"p_key_digest": key_digest}).first()
-        return None if row is None else _to_record(row)
+        return stmt
 
     # -- the owner's writes, fenced by its token --------------------------------------
 
     def complete(self, claim: Claim, response: StoredResponse) -> int | None:
         """Store the response and complete the record; ``None`` if the lease was lost (C14)."""
-        stmt = self._complete_stmt
-        if stmt is None:
-            t = self.table
-            stmt = self._complete_stmt = self._completion(
-                bindparam("p_record_id", type_=t.c.id.type),
-                bindparam("p_lock_token", type_=t.c.lock_token.type),
-                bindparam("p_status", type_=t.c.response_status.type),
-                bindparam("p_headers", type_=t.c.response_headers.type),
-                bindparam("p_body", type_=t.c.response_body.type),
-                bindparam("p_body_omitted", type_=t.c.body_omitted.type),
-            )
-            if dialects.returns_from_update(self.dialect):
-                stmt = self._complete_stmt = stmt.returning(t.c.expires_at_ms)
+        single = self._single()
+        direct = None if single is None or "%" in self.table.fullname else self._direct()
+        if direct is not None:
+            return self._complete_direct(direct, claim, response)
+        stmt = self._complete_statement()
         params = {
             "p_record_id": claim.record_id,
             "p_lock_token": claim.lock_token,
@@ -537,7 +617,68 @@ class DurableStore:
                 row = conn.execute(applied).first()
             return None if row is None else int(row.expires_at_ms)
 
-        return self._run(complete_own, self._single())
+        return self._run(complete_own, single)
+
+    def _complete_direct(
+        self, direct: DirectStatements, claim: Claim, response: StoredResponse
+    ) -> int | None:
+        """:meth:`complete` on the pooled psycopg2 connection directly: the same fenced
+        UPDATE … RETURNING, and the same check for a lost reply on a retry (C14)."""
+        statement = self._direct_sql("complete", self._complete_statement)
+        params = {
+            **statement.defaults,
+            "p_record_id": claim.record_id,
+            "p_lock_token": claim.lock_token,
+            "p_status": response.status,
+            "p_headers": response.headers_json(),
+            "p_body": response.body,
+            "p_body_omitted": response.body_omitted,
+        }
+        applied = self._direct_sql("applied", self._applied_statement)
+        applied_params = {
+            **applied.defaults,
+            "p_record_id": claim.record_id,
+            "p_lock_token": claim.lock_token,
+        }
+        attempts = 0
+
+        def complete_own(cursor: Any, info: dict[str, Any]) -> int | None:
+            nonlocal attempts
+            attempts += 1
+            row = direct.fetchone(cursor, info, statement, params)
+            if row is None and attempts > 1:
+                # An earlier attempt's COMMIT may have reached the server with its reply
+                # lost: the completed row still carries our token (C14).
+                row = direct.fetchone(cursor, info, applied, applied_params)
+            return None if row is None else int(row[0])
+
+        return self._run_direct(direct, statement.sql, complete_own)
+
+    def _applied_statement(self) -> Any:
+        """The expiry of a record this claim has completed (a retried completion's check)."""
+        t = self.table
+        return select(t.c.expires_at_ms).where(
+            t.c.id == bindparam("p_record_id", type_=t.c.id.type),
+            t.c.lock_token == bindparam("p_lock_token", type_=t.c.lock_token.type),
+            t.c.state == COMPLETED,
+        )
+
+    def _complete_statement(self) -> Any:
+        """The fenced completion with the claim's and response's values as parameters."""
+        stmt = self._complete_stmt
+        if stmt is None:
+            t = self.table
+            stmt = self._complete_stmt = self._completion(
+                bindparam("p_record_id", type_=t.c.id.type),
+                bindparam("p_lock_token", type_=t.c.lock_token.type),
+                bindparam("p_status", type_=t.c.response_status.type),
+                bindparam("p_headers", type_=t.c.response_headers.type),
+                bindparam("p_body", type_=t.c.response_body.type),
+                bindparam("p_body_omitted", type_=t.c.body_omitted.type),
+            )
+            if dialects.returns_from_update(self.dialect):
+                stmt = self._complete_stmt = stmt.returning(t.c.expires_at_ms)
+        return stmt
 
     def complete_in(self, executor: Any, claim: Claim, response: StoredResponse) -> int | None:
         """Complete the record inside the caller's transaction (``executor``: a Session or
@@ -676,13 +817,27 @@ class DurableStore:
         for the caller. ``lock_wait_is_final``: a lock wait that timed out is an
         answer for the caller (:meth:`_run_locked`), not retried.
         """
+
+        def once() -> T:
+            if single is not None:  # autocommit: each statement commits by itself
+                with single.connect() as conn:
+                    return work(conn)
+            with self.engine.begin() as conn:
+                return work(conn)
+
+        return self._retrying(once, lock_wait_is_final=lock_wait_is_final)
+
+    def _run_direct(
+        self, direct: DirectStatements, sql: str, work: Callable[[Any, dict[str, Any]], T]
+    ) -> T:
+        """:meth:`_run` for ``work`` on a cursor of the direct path (:mod:`.store_direct`)."""
+        return self._retrying(lambda: direct.run(sql, work))
+
+    def _retrying(self, once: Callable[[], T], *, lock_wait_is_final: bool = False) -> T:
+        """``once()``, with the retries and the outage rule of :meth:`_run`."""
         for attempt in range(_ATTEMPTS):
             try:
-                if single is not None:  # autocommit: each statement commits by itself
-                    with single.connect() as conn:
-                        return work(conn)
-                with self.engine.begin() as conn:
-                    return work(conn)
+                return once()
             except DBAPIError as exc:
                 if _is_schema_error(exc):
                     raise StoreMisconfigured(self._schema_help(exc)) from exc
@@ -705,6 +860,10 @@ class DurableStore:
             " `flask db upgrade` (Flask-Migrate), or `flask idempotency create-table`,"
             " or `db.create_all()`; `flask idempotency check` compares the table"
         )
+
+
+#: Put before the claim: it commits without waiting for the WAL flush (``async_claim``).
+_ASYNC_PREFIX = "SET LOCAL synchronous_commit = off; "
 
 
 def _claim_params(ident: Identity, token: str, ttl_ms: int, lease_ms: int) -> dict[str, Any]:
@@ -731,30 +890,10 @@ def _autocommit_sibling(engine: Engine) -> Engine | None:
 
 
 def _to_record(row: Any) -> Record:
-    response = None
-    if row.state == COMPLETED and row.response_status is not None:
-        response = StoredResponse(
-            status=int(row.response_status),
-            headers=StoredResponse.headers_from_json(row.response_headers),
-            body=bytes(row.response_body or b""),
-            body_omitted=bool(row.body_omitted),
-        )
-    return Record(
-        id=int(row.id),
-        key_digest=row.key_digest,
-        scope=row.scope,
-        fingerprint=row.fingerprint,
-        method=row.method,
-        path=row.path,
-        state=row.state,
-        lock_token=row.lock_token,
-        created_at_ms=int(row.created_at_ms),
-        expires_at_ms=int(row.expires_at_ms),
-        lease_expires_at_ms=_optional_int(row.lease_expires_at_ms),
-        completed_at_ms=_optional_int(row.completed_at_ms),
-        response=response,
-        now_ms=int(row.now_ms),
-    )
+    return record_from_values(_RECORD_ITEMS(row._mapping))
+
+
+_RECORD_ITEMS = operator.itemgetter(*RECORD_COLUMNS)
 
 
 def _optional_int(value: Any) -> int | None:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Table
+from sqlalchemy import ColumnElement, Connection, Table, exists, literal, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 #: SQLSTATEs that mean "run it again": serialization failure, deadlock (C26, R96).
@@ -104,6 +104,25 @@ def insert_or_nothing(name: str, table: Table, values: dict[str, Any]) -> Any:
         stmt = mysql.insert(table).values(**values)
         return stmt.on_duplicate_key_update(id=table.c.id)
     raise ValueError(f"the {name} dialect is not supported (PostgreSQL, MySQL/MariaDB or SQLite)")
+
+
+def insert_unless_present(table: Table, values: dict[str, Any]) -> Any:
+    """PostgreSQL: ``INSERT … SELECT <values> WHERE NOT EXISTS (the key) ON CONFLICT DO
+    NOTHING RETURNING``: a key the statement's snapshot already holds is not inserted at
+    all; one committed after that snapshot still meets the unique index."""
+    present = table.alias("present")
+    row = select(
+        *(
+            (value if isinstance(value, ColumnElement) else literal(value)).label(name)
+            for name, value in values.items()
+        )
+    ).where(~exists().where(present.c.key_digest == values["key_digest"]))
+    return (
+        postgresql.insert(table)
+        .from_select(list(values), row)
+        .on_conflict_do_nothing(index_elements=[table.c.key_digest])
+        .returning(table.c.id, table.c.expires_at_ms)
+    )
 
 
 @contextmanager

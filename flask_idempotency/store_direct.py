@@ -1,0 +1,194 @@
+"""The request path's statements on a pooled psycopg2 connection, without SQLAlchemy's
+execution layer (issue 11).
+
+CONTRACT C8, C14, C26.
+
+A replay from PostgreSQL is one statement and a first execution two; on the
+psycopg2 autocommit pool, SQLAlchemy's ``Connection`` (its checkout wrapper,
+execution context, result and row machinery) cost about twice what psycopg2's own
+``execute`` costs. Here the statement, compiled once to psycopg2's SQL, runs on a
+cursor of a connection checked out of that same SQLAlchemy pool: the pool keeps
+its checkout and return, pre-ping, recycling, its events and fork reset, and a
+failure reaches the store as the very ``DBAPIError`` SQLAlchemy would have raised
+(a dead connection invalidated, with the whole pool's older connections, as
+SQLAlchemy does), so the store's retry and outage rules (C26) see no difference.
+The statements are prepared on the server once per pooled connection, until a
+transaction pooler shows (:meth:`DirectStatements.fetchone`, :meth:`DirectStatements.run`).
+
+Used only where nothing else could observe the difference: the store's own
+autocommit pool, whose engine has no ``before/after_cursor_execute`` or
+``handle_error`` listeners (an app's instrumentation on every ``Engine`` keeps
+the ordinary path). Every other driver and mode runs through SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
+
+T = TypeVar("T")
+
+log = logging.getLogger("flask_idempotency")
+
+#: The key of the set of statements prepared on a pooled connection, in the pool's
+#: per-connection ``info`` (emptied by SQLAlchemy when the connection is replaced).
+_PREPARED = "flask_idempotency.prepared"
+#: "prepared statement does not exist" / "already exists": the statements of one
+#: pooled connection are not on one server connection (a transaction pooler between).
+_NOT_ONE_SERVER_CONNECTION = frozenset({"26000", "42P05"})
+#: "cached plan must not change result type": the table changed under a prepared statement.
+_REPLANNED_RESULT = "0A000"
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+
+
+class DirectSQL:
+    """A statement compiled once for the direct path.
+
+    ``sql`` with its ``defaults`` (the constant parameters) runs as it is; the same
+    statement as a server-side prepared statement is ``prepare`` (once per pooled
+    connection) and ``execute``, named by a hash of its text so that a name always
+    means this very statement. ``record_values``: a row's values in
+    :data:`~flask_idempotency.records.RECORD_COLUMNS` order (statements that read a record).
+    """
+
+    __slots__ = ("defaults", "execute", "name", "prepare", "record_values", "sql")
+
+    def __init__(
+        self, compiled: Any, dialect: Any, record_values: Callable[[Any], Any] | None, prefix: str
+    ) -> None:
+        sql: str = compiled.string
+        self.sql = prefix + sql
+        self.defaults: dict[str, Any] = dict(compiled.params)
+        self.record_values = record_values
+        names: list[str] = []
+        for name in _PLACEHOLDER.findall(sql):
+            if name not in names:
+                names.append(name)
+        types = ", ".join(
+            dialect.type_compiler_instance.process(compiled.binds[name].type) for name in names
+        )
+        numbered = _PLACEHOLDER.sub(lambda m: f"${names.index(m.group(1)) + 1}", sql)
+        digest = hashlib.sha256(f"{types}|{numbered}".encode()).hexdigest()[:24]
+        self.name = f"flask_idempotency_{digest}"
+        self.prepare = f"PREPARE {self.name} ({types}) AS {numbered}"
+        arguments = ", ".join(f"%({name})s" for name in names)
+        self.execute = f"{prefix}EXECUTE {self.name} ({arguments})"
+
+
+class DirectStatements:
+    """Run work on a cursor of a pooled DBAPI connection of ``engine`` (psycopg2, autocommit)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine  # its pool is replaced when a forked child disposes it
+        self._dialect = engine.dialect
+        self._error: type[Exception] = engine.dialect.loaded_dbapi.Error
+        #: Prepare statements on the server; off for good once a pooler is seen.
+        self.prepare = True
+
+    def usable(self) -> bool:
+        """No listener on the engine would miss the statements run here."""
+        dispatch = self._engine.dispatch
+        return not (
+            dispatch.before_cursor_execute
+            or dispatch.after_cursor_execute
+            or self._dialect.dispatch.handle_error
+        )
+
+    def compile(
+        self, statement: Any, record_values: Callable[[Any], Any] | None = None, prefix: str = ""
+    ) -> DirectSQL:
+        """``statement`` compiled for the direct path (``prefix``: SQL run before it)."""
+        return DirectSQL(
+            statement.compile(dialect=self._dialect), self._dialect, record_values, prefix
+        )
+
+    def fetchone(
+        self, cursor: Any, info: dict[str, Any], statement: DirectSQL, params: dict[str, Any]
+    ) -> Any:
+        """Run ``statement`` on ``cursor`` (in :meth:`run`'s ``work``, with its connection's
+        ``info``); its first row.
+
+        Parsing and planning the claim's statement cost the server more than running
+        it, so it is prepared once per pooled connection: the first use sends
+        ``PREPARE`` and ``EXECUTE`` in one round trip, later ones ``EXECUTE``.
+        """
+        if not self.prepare:
+            cursor.execute(statement.sql, params)
+            return cursor.fetchone()
+        prepared = info.setdefault(_PREPARED, set())
+        if statement.name in prepared:
+            cursor.execute(statement.execute, params)
+        else:
+            cursor.execute(f"{statement.prepare}; {statement.execute}", params)
+            prepared.add(statement.name)
+        return cursor.fetchone()
+
+    def run(self, sql: str, work: Callable[[Any, dict[str, Any]], T]) -> T:
+        """``work(cursor, info)`` on one pooled connection (``info``: the pool's dictionary
+        for that connection); a driver error as SQLAlchemy raises it.
+
+        ``sql`` is only for the error's message.
+        """
+        try:
+            return self._run_once(sql, work)
+        except DBAPIError as exc:
+            if getattr(exc.orig, "pgcode", None) not in _NOT_ONE_SERVER_CONNECTION:
+                raise  # those two only ever come from our PREPARE or EXECUTE
+        # The statement did not run: its connection's prepared statements are not on
+        # the server connection it reached (PgBouncer in transaction mode).
+        if self.prepare:
+            self.prepare = False
+            log.info("idempotency: a connection pooler is in use; statements are not prepared")
+        return self._run_once(sql, work)
+
+    def _run_once(self, sql: str, work: Callable[[Any, dict[str, Any]], T]) -> T:
+        try:
+            conn = self._engine.pool.connect()
+        except self._error as exc:
+            raise self._wrap(exc, sql, None, None) from exc
+        cursor = None  # making it can fail too (a connection closed on the client side)
+        try:
+            cursor = conn.dbapi_connection.cursor()  # type: ignore[union-attr]
+            try:
+                return work(cursor, conn.info)
+            finally:
+                cursor.close()
+        except self._error as exc:
+            wrapped = self._wrap(exc, sql, conn, cursor)
+            if conn.is_valid and _PREPARED in conn.info:
+                # Which statements the server kept for this connection is unknown now:
+                # start afresh on a new connection.
+                conn.invalidate(exc)
+                if getattr(exc, "pgcode", None) == _REPLANNED_RESULT:
+                    wrapped.connection_invalidated = True  # a fresh connection will do: retried
+            raise wrapped from exc
+        except BaseException as exc:
+            # Interrupted mid-statement (a timeout, an exit): the connection's state
+            # is unknown, so it never returns to the pool as it is (as SQLAlchemy does).
+            conn.invalidate(exc)
+            raise
+        finally:
+            conn.close()  # back to the pool, or closed when invalidated
+
+    def _wrap(self, exc: Exception, sql: str, conn: Any, cursor: Any) -> DBAPIError:
+        dbapi_conn = None if conn is None else conn.dbapi_connection
+        dead = bool(self._dialect.is_disconnect(exc, dbapi_conn, cursor))  # type: ignore[arg-type]
+        if dead and conn is not None and conn.is_valid:
+            # The server went away: every connection made before now is suspect, as
+            # SQLAlchemy decides on a disconnect (``invalidate_pool_on_disconnect``).
+            self._engine.pool._invalidate(conn, exc)  # invalidates ``conn`` too
+        return DBAPIError.instance(  # type: ignore[return-value]
+            sql,
+            None,
+            exc,
+            self._error,
+            hide_parameters=True,
+            connection_invalidated=dead,
+            dialect=self._dialect,
+        )

@@ -1,0 +1,284 @@
+"""The psycopg2 request path on the pooled DBAPI connection directly (issue 11).
+
+CONTRACT C8, C9, C14, C26, C45: the claim, the replay and the completion run
+their statements on a cursor of a connection of the store's own autocommit pool,
+without SQLAlchemy's execution layer, and nothing the store promises changes: the
+same records, dead connections invalidated and retried, a broken table a
+deployment error, and an app's statement instrumentation still sees every statement.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from flask import jsonify
+from sqlalchemy import create_engine, event, text
+from sqlalchemy.engine import URL
+
+from flask_idempotency import idempotent
+from flask_idempotency.records import Identity, Record, StoredResponse
+from flask_idempotency.store import DurableStore, StoreError, StoreMisconfigured
+from flask_idempotency.store_direct import DirectStatements
+
+from .conftest import driver_url
+from .test_lifecycle import KEY, REPLAYED
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def store(pg_url: URL) -> Iterator[DurableStore]:
+    url = driver_url(pg_url, "psycopg2")
+    name = f"idem_direct_{uuid.uuid4().hex[:10]}"
+    made = DurableStore(
+        lambda: create_engine(url, pool_size=3, connect_args={"application_name": name}),
+        table_name=name,
+        create_table=True,
+    )
+    yield made
+    made.table.drop(made.engine, checkfirst=True)
+    made.engine.dispose()
+
+
+@pytest.fixture
+def runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The SQL of every statement run on the direct path."""
+    seen: list[str] = []
+    original = DirectStatements.run
+
+    def spy(self: DirectStatements, sql: str, work: Any) -> Any:
+        seen.append(sql)
+        return original(self, sql, work)
+
+    monkeypatch.setattr(DirectStatements, "run", spy)
+    return seen
+
+
+def identity_of(name: str) -> Identity:
+    digest = (uuid.uuid4().hex + uuid.uuid4().hex)[:64]
+    return Identity("anonymous", digest, name.ljust(64, "0")[:64], "POST", f"/{name}")
+
+
+RESPONSE = StoredResponse(201, (("Content-Type", "application/json"),), b'{"ok":true}\x00\xff')
+
+
+def test_i11_c9_c14_claim_replay_and_completion_run_on_the_direct_path(store, runs) -> None:
+    """C8/C9/C14: the claim, the completion and the replay each run one statement on the
+    direct path, and read back exactly the record SQLAlchemy's path reads."""
+    ident = identity_of("direct-1")
+    claim = store.acquire(ident, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+    replay = store.acquire(ident, ttl=60, lease=30)
+    assert len(runs) == 3, runs
+    assert runs[0].startswith("WITH ins AS") and runs[1].startswith("UPDATE")
+    assert isinstance(replay, Record) and replay.response == RESPONSE
+    assert type(replay.response.body) is bytes
+    through_sqlalchemy = store._run(
+        lambda conn: store._select(conn, ident.key_digest), store._single()
+    )
+    direct_read = store.get(ident.key_digest)
+    assert direct_read == replace_clock(direct_read, through_sqlalchemy)
+    assert replay == replace_clock(replay, through_sqlalchemy)
+
+
+def replace_clock(like: Record | None, record: Record | None) -> Record:
+    """``record`` with ``like``'s database clock, the one field two reads differ in."""
+    assert like is not None and record is not None
+    return Record(**{**record.__dict__, "now_ms": like.now_ms})
+
+
+def test_i11_c14_completion_with_a_lost_lease_is_none_on_the_direct_path(store, runs) -> None:
+    """C14: a completion whose token no longer owns the record changes nothing."""
+    ident = identity_of("direct-2")
+    claim = store.acquire(ident, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    stranger = type(claim)(claim.record_id, uuid.uuid4().hex, claim.expires_at_ms, "new")
+    assert store.complete(stranger, RESPONSE) is None
+    assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+    assert len(runs) == 3
+
+
+def test_i11_c26_dead_pooled_connections_are_invalidated_and_retried(store, runs) -> None:
+    """C26: the database dropped every pooled connection (a restart): the next call
+    finds a dead one, invalidates the pool's connections as SQLAlchemy would, and
+    succeeds on a fresh one instead of meeting the next dead one and answering 503."""
+    idents = [identity_of(f"direct-dead-{i}") for i in range(3)]
+    store.acquire(identity_of("direct-warm"), ttl=60, lease=30)  # set up and verified
+    pool = store._single()
+    assert pool is not None
+    held = [pool.raw_connection() for _ in range(3)]  # fill the pool with three connections
+    for conn in held:
+        conn.close()
+    with store.autocommit.connect() as admin:
+        killed = admin.execute(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE application_name = :name AND pid <> pg_backend_pid()"
+            ),
+            {"name": store.table.name},
+        ).scalar_one()
+    assert killed >= 3
+    for ident in idents:
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+    assert len(runs) == 1 + 6 + 1  # the warm-up, six statements, one retry
+
+
+def test_i11_c45_table_dropped_after_verification_is_a_deployment_error(store, runs) -> None:
+    """C45: the schema error on the direct path is classified as before, not as an outage."""
+    store.acquire(identity_of("direct-3"), ttl=60, lease=30)
+    store.table.drop(store.engine)
+    try:
+        with pytest.raises(StoreMisconfigured, match="create-table"):
+            store.acquire(identity_of("direct-4"), ttl=60, lease=30)
+    finally:
+        store.create_table()
+    assert len(runs) == 2
+
+
+def test_i11_c25_unreachable_database_is_a_store_error(pg_url: URL) -> None:
+    """C25/C26: a pool that cannot connect raises StoreError (the 503), like SQLAlchemy's path."""
+    url = driver_url(pg_url, "psycopg2").set(host="127.0.0.1", port=1)
+    broken = DurableStore(lambda: create_engine(url, connect_args={"connect_timeout": 1}))
+    broken._verified = True  # straight to the claim's statement
+    with pytest.raises(StoreError) as raised:
+        broken.acquire(identity_of("direct-5"), ttl=60, lease=30)
+    assert "OperationalError" in str(raised.value)
+
+
+def test_i11_statement_instrumentation_keeps_the_sqlalchemy_path(store, runs) -> None:
+    """An app's ``before_cursor_execute`` listener on every Engine still sees the store's
+    statements: the direct path steps aside rather than hide them."""
+    seen: list[str] = []
+
+    def listener(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    store.acquire(identity_of("direct-6"), ttl=60, lease=30)  # set up, verified
+    engine_class = type(store.engine)
+    event.listen(engine_class, "before_cursor_execute", listener)
+    try:
+        ident = identity_of("direct-7")
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+        replay = store.acquire(ident, ttl=60, lease=30)
+    finally:
+        event.remove(engine_class, "before_cursor_execute", listener)
+    assert isinstance(replay, Record) and replay.response == RESPONSE
+    assert len(seen) == 3 and len(runs) == 1, (seen, runs)
+
+
+def test_i11_c9_replay_over_http_through_the_direct_path(pg_url: URL, make_app: Any, runs) -> None:
+    """C9: an app on psycopg2 replays from PostgreSQL through the direct path."""
+    url = driver_url(pg_url, "psycopg2").render_as_string(hide_password=False)
+    app, _ = make_app({"IDEMPOTENCY_DATABASE_URI": url, "IDEMPOTENCY_CREATE_TABLE": True})
+    calls: list[int] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        calls.append(1)
+        return jsonify(n=len(calls)), 201
+
+    client = app.test_client()
+    first = client.post("/pay", json={"a": 1}, headers=KEY)
+    again = client.post("/pay", json={"a": 1}, headers=KEY)
+    assert first.status_code == again.status_code == 201
+    assert again.headers.get(REPLAYED) == "true" and again.json == {"n": 1}
+    assert calls == [1]
+    assert len(runs) == 3
+    store = app.extensions["idempotency"].store
+    store.table.drop(store.engine, checkfirst=True)
+
+
+def server_prepared(store: DurableStore) -> set[str]:
+    """The statements prepared on the server for the pool's next connection."""
+    pool = store._single()
+    assert pool is not None
+    conn = pool.raw_connection()
+    try:
+        cursor = conn.cursor()
+        cursor.execute("SELECT name FROM pg_prepared_statements")
+        return {name for (name,) in cursor.fetchall()}
+    finally:
+        conn.close()
+
+
+def test_i11_statements_are_prepared_once_per_connection(store, runs) -> None:
+    """The claim, the completion and the read are prepared on the server on first use
+    (PREPARE and EXECUTE in one round trip), then only executed."""
+    ident = identity_of("prep-1")
+    claim = store.acquire(ident, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    store.complete(claim, RESPONSE)
+    assert isinstance(store.acquire(ident, ttl=60, lease=30), Record)
+    assert store.get(ident.key_digest) is not None
+    names = server_prepared(store)
+    assert len([n for n in names if n.startswith("flask_idempotency_")]) == 3, names
+    direct = store._direct()
+    assert direct is not None and direct.prepare
+
+
+def test_i11_statements_gone_from_the_server_connection_fall_back_to_plain_sql(
+    store, runs, caplog
+) -> None:
+    """A transaction pooler hands the next statement to a server connection that never
+    saw our PREPARE (simulated: the statements deallocated behind the pool's back):
+    the call still succeeds, and the store stops preparing statements."""
+    ident = identity_of("prep-2")
+    claim = store.acquire(ident, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    pool = store._single()
+    assert pool is not None
+    conn = pool.raw_connection()
+    conn.cursor().execute("DEALLOCATE ALL")
+    conn.close()
+    with caplog.at_level("INFO", logger="flask_idempotency"):
+        assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+        replay = store.acquire(ident, ttl=60, lease=30)  # its EXECUTE meets no statement
+    assert isinstance(replay, Record) and replay.response == RESPONSE
+    direct = store._direct()
+    assert direct is not None and not direct.prepare
+    assert any("not prepared" in r.getMessage() for r in caplog.records)
+
+
+def test_i11_table_changed_under_prepared_statements_is_not_an_outage(store, runs) -> None:
+    """A migration changes a column's type while statements are prepared on pooled
+    connections ("cached plan must not change result type"): the call is retried on a
+    fresh connection instead of answering 503."""
+    first = identity_of("prep-3")
+    claim = store.acquire(first, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    store.complete(claim, RESPONSE)
+    assert isinstance(store.acquire(first, ttl=60, lease=30), Record)
+    with store.autocommit.connect() as admin:
+        admin.exec_driver_sql(
+            f'ALTER TABLE "{store.table.name}" ALTER COLUMN scope TYPE varchar(300)'
+        )
+    replay = store.acquire(first, ttl=60, lease=30)
+    assert isinstance(replay, Record) and replay.response == RESPONSE
+
+
+def test_i11_c26_pooled_connection_closed_on_the_client_is_invalidated_and_retried(
+    store, runs
+) -> None:
+    """C26: a pooled psycopg2 connection already closed on the client side fails when the
+    cursor is made, before any statement: it is invalidated and the call retried (it
+    raised UnboundLocalError, a 500, when that failure came before the cursor existed)."""
+    ident = identity_of("closed-1")
+    store.acquire(ident, ttl=60, lease=30)
+    pool = store._single()
+    assert pool is not None
+    conn = pool.raw_connection()
+    dbapi_connection = conn.dbapi_connection
+    conn.close()  # back in the pool, healthy
+    dbapi_connection.close()  # type: ignore[union-attr]
+    claim = store.acquire(identity_of("closed-2"), ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    assert store.complete(claim, RESPONSE) == claim.expires_at_ms
