@@ -124,7 +124,7 @@ def request_hooks(
             and getattr(view, "view_class", None) is None
         ):
             return None
-        return _before_protected()
+        return _before_protected(view)
 
     def after_request(response: Response) -> Response:
         if not _PENDING.get():
@@ -151,9 +151,9 @@ def _drop_state() -> None:
         _PENDING.set(max(0, _PENDING.get() - 1))
 
 
-def _before_protected() -> Response | None:
+def _before_protected(view: Callable[..., Any]) -> Response | None:
     state: AppState = current_app.extensions["idempotency"]
-    route = _route_options()
+    route = _route_options(view)
     if route is None:
         return None
     options = state.effective_options(route)
@@ -196,16 +196,12 @@ def _before_protected() -> Response | None:
         return _store_down(decision, exc)
 
 
-def _route_options() -> RouteOptions | None:
-    """The ``@idempotent`` options of the view this request goes to, if it is protected.
+def _route_options(view: Callable[..., Any]) -> RouteOptions | None:
+    """The ``@idempotent`` options of ``view``, the view this request goes to, if protected.
 
     The mark sits on the registered view function, or, for a class-based view,
     on the handler method of the request's method (``MethodView.post``).
     """
-    endpoint = request.endpoint
-    if endpoint is None:
-        return None
-    view = current_app.view_functions.get(endpoint)
     options: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
     if options is None:
         view_class = getattr(view, "view_class", None)
