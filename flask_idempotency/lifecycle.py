@@ -145,15 +145,10 @@ _current_request: Callable[[], Any] = request._get_current_object  # type: ignor
 
 def _hold_state() -> None:
     """Count this request as one the after and teardown hooks must look at."""
-    environ = request.environ
+    environ = _current_request().environ
     if _PENDING_KEY not in environ:
         environ[_PENDING_KEY] = True
         _PENDING.set(_PENDING.get() + 1)
-
-
-def _drop_state() -> None:
-    if request.environ.pop(_PENDING_KEY, False):
-        _PENDING.set(max(0, _PENDING.get() - 1))
 
 
 def _before_protected(view: Callable[..., Any]) -> Response | None:
@@ -423,9 +418,10 @@ def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
 
 
 def _after(response: Response) -> Response:
-    if request.environ.pop(_UNPROTECTED_KEY, False):
+    environ = _current_request().environ
+    if environ.pop(_UNPROTECTED_KEY, False):
         response.headers[UNPROTECTED_HEADER] = "store-unavailable"
-    own = current_ownership()
+    own: Ownership | None = environ.get(_OWNERSHIP_KEY)
     if own is None or own.settled:
         return response
     own.settled = True
@@ -646,9 +642,11 @@ def _teardown(exc: BaseException | None) -> None:
     The request's state is dropped here whatever happens, so nothing of it is seen
     by a later request or by code running after the request ended.
     """
-    _drop_state()
-    own: Ownership | None = request.environ.pop(_OWNERSHIP_KEY, None)
-    request.environ.pop(_UNPROTECTED_KEY, None)
+    environ = _current_request().environ
+    if environ.pop(_PENDING_KEY, False):
+        _PENDING.set(max(0, _PENDING.get() - 1))
+    own: Ownership | None = environ.pop(_OWNERSHIP_KEY, None)
+    environ.pop(_UNPROTECTED_KEY, None)
     if own is None:
         return
     _stop_heartbeat(own)
