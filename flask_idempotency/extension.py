@@ -180,9 +180,10 @@ class Idempotency:
         wakeups = WakeupHub(max_waiters=settings.max_waiters)
         cache = self._build_cache(settings, store, wakeups)
         app.extensions[EXTENSION_NAME] = AppState(self, settings, store, cache, wakeups)
-        app.before_request(lifecycle.before_request)
-        app.after_request(lifecycle.after_request)
-        app.teardown_request(lifecycle.teardown_request)
+        before, after, teardown = lifecycle.request_hooks(app.view_functions)
+        app.before_request(before)
+        app.after_request(after)
+        app.teardown_request(teardown)
         app.add_template_global(forms.idempotency_key_field, "idempotency_key_field")  # C49
         got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
         if self._db is not None:

@@ -5,10 +5,15 @@ before_request    parse key → scope + fingerprint → cache → durable claim
 after_request     store the response (fenced) → promote → wake waiters,
                   or release the claim
 teardown_request  release whatever an exception or abort() left behind (C15)
+
+Every request of the app passes through the three hooks; one to an unmarked view
+leaves at once (see :func:`request_hooks`), so it costs Flask's three hook calls
+and one lookup, nothing more (issue 11).
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -46,6 +51,17 @@ _STORE_RETRY_AFTER = 3.0
 #: ``app.app_context()``, a sub-request made from a view), so state kept there leaks.
 _OWNERSHIP_KEY = "flask_idempotency.ownership"
 _UNPROTECTED_KEY = "flask_idempotency.unprotected"
+#: Set in a request's environ when the layer left state there that the after and teardown
+#: hooks must settle; counted in :data:`_PENDING`.
+_PENDING_KEY = "flask_idempotency.pending"
+#: How many requests in this context (thread, greenlet) carry state of the layer. While it
+#: is 0, the after and teardown hooks return at once: an unprotected request pays for
+#: nothing but three hook calls and one endpoint lookup (issue 11). A count, not a flag: a
+#: sub-request made from a protected view must not clear its parent's. It lives where
+#: Flask keeps the request itself (a context variable), so a hook never sees another
+#: context's count; at worst a stale count sends a hook down the full path, which reads
+#: the request's own environ and finds nothing.
+_PENDING: contextvars.ContextVar[int] = contextvars.ContextVar(_PENDING_KEY, default=0)
 
 
 @dataclasses.dataclass
@@ -89,9 +105,55 @@ def current_ownership() -> Ownership | None:
 # -- before the view ------------------------------------------------------------------
 
 
-def before_request() -> Response | None:
+def request_hooks(
+    views: dict[str, Callable[..., Any]],
+) -> tuple[Callable[[], Response | None], Callable[[Response], Response], Callable[..., None]]:
+    """The three Flask hooks for an app whose ``view_functions`` is ``views``.
+
+    Every request of the app passes through them, protected or not, so an
+    unprotected one must cost next to nothing: before the view, one lookup of the
+    endpoint's view and its mark; after it and at teardown, one context-variable
+    read (no request proxy, no ``current_app``). The full path runs only for a
+    request to a marked view, and, after it, only for a request that left state.
+    """
+
+    def before_request() -> Response | None:
+        rule = _current_request().url_rule  # the proxy's own lookup costs 4x as much
+        view = views.get(rule.endpoint) if rule is not None else None
+        if view is None or (
+            getattr(view, ROUTE_OPTIONS_ATTR, None) is None
+            and getattr(view, "view_class", None) is None
+        ):
+            return None
+        return _before_protected(view)
+
+    def after_request(response: Response) -> Response:
+        if not _PENDING.get():
+            return response
+        return _after(response)
+
+    def teardown_request(exc: BaseException | None = None) -> None:
+        if _PENDING.get():
+            _teardown(exc)
+
+    return before_request, after_request, teardown_request
+
+
+#: The request object itself, without the attribute proxying of ``request``.
+_current_request: Callable[[], Any] = request._get_current_object  # type: ignore[attr-defined]
+
+
+def _hold_state() -> None:
+    """Count this request as one the after and teardown hooks must look at."""
+    environ = _current_request().environ
+    if _PENDING_KEY not in environ:
+        environ[_PENDING_KEY] = True
+        _PENDING.set(_PENDING.get() + 1)
+
+
+def _before_protected(view: Callable[..., Any]) -> Response | None:
     state: AppState = current_app.extensions["idempotency"]
-    route = _route_options()
+    route = _route_options(view)
     if route is None:
         return None
     options = state.effective_options(route)
@@ -134,16 +196,12 @@ def before_request() -> Response | None:
         return _store_down(decision, exc)
 
 
-def _route_options() -> RouteOptions | None:
-    """The ``@idempotent`` options of the view this request goes to, if it is protected.
+def _route_options(view: Callable[..., Any]) -> RouteOptions | None:
+    """The ``@idempotent`` options of ``view``, the view this request goes to, if protected.
 
     The mark sits on the registered view function, or, for a class-based view,
     on the handler method of the request's method (``MethodView.post``).
     """
-    endpoint = request.endpoint
-    if endpoint is None:
-        return None
-    view = current_app.view_functions.get(endpoint)
     options: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
     if options is None:
         view_class = getattr(view, "view_class", None)
@@ -240,6 +298,7 @@ def _own(decision: _Decision, claim: Claim) -> None:
     elif claim.how == "taken_over":
         _emit(signals.lease_taken_over, decision)
     _track_view_start(request.endpoint)
+    _hold_state()
     request.environ[_OWNERSHIP_KEY] = own = Ownership(
         decision.ident, claim, decision.options, decision.started
     )
@@ -345,6 +404,7 @@ def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
     )
     _emit(signals.store_error, decision, tier="database", error=str(exc), action="claim")
     if settings.fail_open:
+        _hold_state()
         request.environ[_UNPROTECTED_KEY] = True
         return None
     raise StoreUnavailable(
@@ -357,10 +417,11 @@ def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
 # -- after the view --------------------------------------------------------------------
 
 
-def after_request(response: Response) -> Response:
-    if request.environ.pop(_UNPROTECTED_KEY, False):
+def _after(response: Response) -> Response:
+    environ = _current_request().environ
+    if environ.pop(_UNPROTECTED_KEY, False):
         response.headers[UNPROTECTED_HEADER] = "store-unavailable"
-    own = current_ownership()
+    own: Ownership | None = environ.get(_OWNERSHIP_KEY)
     if own is None or own.settled:
         return response
     own.settled = True
@@ -575,14 +636,17 @@ def _completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> No
     )
 
 
-def teardown_request(exc: BaseException | None) -> None:
+def _teardown(exc: BaseException | None) -> None:
     """Release a claim the response path never settled: an exception propagated (C15).
 
     The request's state is dropped here whatever happens, so nothing of it is seen
     by a later request or by code running after the request ended.
     """
-    own: Ownership | None = request.environ.pop(_OWNERSHIP_KEY, None)
-    request.environ.pop(_UNPROTECTED_KEY, None)
+    environ = _current_request().environ
+    if environ.pop(_PENDING_KEY, False):
+        _PENDING.set(max(0, _PENDING.get() - 1))
+    own: Ownership | None = environ.pop(_OWNERSHIP_KEY, None)
+    environ.pop(_UNPROTECTED_KEY, None)
     if own is None:
         return
     _stop_heartbeat(own)

@@ -8,8 +8,13 @@ must not leak from one request into the next through it.
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import Any
+
 from flask import g, jsonify
 
+import flask_idempotency
 from flask_idempotency import current_key_digest, idempotent, release_claim
 
 KEY = {"Idempotency-Key": "key-1"}
@@ -89,3 +94,68 @@ def test_i9_6_c15_a_second_protected_request_settles_its_own_claim(make_app) -> 
     assert a.json["digest"] != b.json["digest"]
     assert a2.headers.get("Idempotent-Replayed") == "true" and a2.json == a.json
     assert b2.headers.get("Idempotent-Replayed") == "true" and b2.json == b.json
+
+
+def test_i11_sub_request_to_a_protected_view_leaves_its_parent_pending(make_app) -> None:
+    """C15: a protected request made from inside a protected view settles its own claim,
+    and its end does not make the parent's after_request skip the parent's claim (the
+    hooks' fast exit counts pending requests per context; a flag would be cleared)."""
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    calls: list[str] = []
+
+    @app.post("/inner")
+    @idempotent
+    def inner():
+        calls.append("inner")
+        return jsonify(inner=current_key_digest()), 201
+
+    @app.post("/outer")
+    @idempotent
+    def outer():
+        calls.append("outer")
+        sub = app.test_client().post("/inner", headers={"Idempotency-Key": "inner"})
+        return jsonify(outer=current_key_digest(), inner=sub.json["inner"]), 201
+
+    client = app.test_client()
+    first = client.post("/outer", headers=KEY)
+    again = client.post("/outer", headers=KEY)
+    inner_again = client.post("/inner", headers={"Idempotency-Key": "inner"})
+    assert first.status_code == 201 and first.json["outer"] != first.json["inner"]
+    assert again.headers.get("Idempotent-Replayed") == "true" and again.json == first.json
+    assert inner_again.headers.get("Idempotent-Replayed") == "true"
+    assert calls == ["outer", "inner"]
+
+
+def test_i11_an_unprotected_request_runs_nothing_of_the_layer_beyond_its_hooks(
+    make_app,
+) -> None:
+    """Issue 11 (unprotected route ≤ 1.03× bare): a request to an unmarked view, key or
+    not, enters the layer only through Flask's three hook calls, each of which returns
+    at once (counted with a profile hook, not timed)."""
+    app, _ = make_app()
+
+    @app.post("/plain")
+    def plain():
+        return jsonify(ok=True), 201
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        return jsonify(paid=True), 201
+
+    client = app.test_client()
+    assert client.post("/pay", headers=KEY).status_code == 201  # the layer is warm
+    package = os.path.dirname(flask_idempotency.__file__)
+    entered: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        response = client.post("/plain", headers={"Idempotency-Key": "ignored"})
+    finally:
+        sys.setprofile(None)
+    assert response.status_code == 201
+    assert sorted(entered) == ["after_request", "before_request", "teardown_request"]
