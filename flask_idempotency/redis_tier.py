@@ -32,7 +32,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -284,7 +283,9 @@ class _Reader:
             self._pool.release(conn)
 
 
-_READERS: weakref.WeakKeyDictionary[Any, _Reader] = weakref.WeakKeyDictionary()
+#: Where a pool's reader lives: on the pool itself, so the two go together. (A weak-keyed
+#: map would keep every pool for ever: a kept connection refers back to its pool.)
+_READER_ATTR = "_flask_idempotency_reader"
 
 
 def _connection_error() -> type[BaseException]:
@@ -317,9 +318,12 @@ def _reader_for(client: Any) -> _Reader | None:
         or not isinstance(getattr(pool, "max_connections", None), int)
     ):
         return None
-    reader = _READERS.get(pool)
+    attributes = getattr(pool, "__dict__", None)
+    if attributes is None:
+        return None
+    reader: _Reader | None = attributes.get(_READER_ATTR)
     if reader is None:
-        reader = _READERS.setdefault(pool, _Reader(pool))
+        reader = attributes.setdefault(_READER_ATTR, _Reader(pool))
     return reader
 
 

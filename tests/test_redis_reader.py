@@ -207,3 +207,21 @@ def test_c9_the_cached_value_decodes_to_exactly_the_record(record):
 def test_c24_garbage_in_the_new_form_is_a_miss_never_an_error(raw):
     decoded = redis_tier.decode_value(raw)
     assert decoded is None or isinstance(decoded, Completed)
+
+
+def test_c47_a_reader_and_its_connections_go_with_their_client(redis_server):
+    """Apps come and go (tests, app factories): their kept connections must not stay."""
+    import gc
+    import weakref
+
+    cache = fast_cache(redis_server.url)
+    cache.promote("d1", RECORD, 60_000)
+    assert cache.get("d1") == RECORD
+    pool = weakref.ref(cache._client.connection_pool)
+    reader = weakref.ref(cache._reader)
+    kept = [weakref.ref(conn) for conn in cache._reader._idle]
+    assert kept
+    del cache
+    gc.collect()
+    assert pool() is None and reader() is None
+    assert all(conn() is None for conn in kept)
