@@ -29,7 +29,6 @@ import base64
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -222,70 +221,41 @@ def _headers(text: bytes) -> tuple[tuple[str, str], ...]:
 
 
 class _Reader:
-    """``GET`` on a plain single-node client, without redis-py's per-command machinery.
+    """``GET`` on a plain single-node client, without redis-py's per-command wrappers.
 
-    A replay from Redis is one ``GET``; through ``client.get`` about half its CPU
-    is redis-py's checkout and return of a pooled connection (a lock, a readiness
-    poll, metrics hooks) and its retry and observability wrappers (issue 11). This
-    keeps the connections it has used in a list of its own (``pop``/``append`` are
-    atomic) and sends a pre-packed command on one. Nothing is given up: the
-    connections are the pool's (its ``disconnect()`` closes them too, in use or
-    not), they keep the client's socket timeouts (C24), a broken connection is
-    retried once as the client's ``Retry`` would (a socket left over from before a
-    Redis restart), a timeout never is, and after any error the connection is
-    closed before it is reused, so no half-read reply is ever read by another
-    command; a connection told to reconnect by a maintenance notice is closed, as
-    the client would. At most ``_KEPT`` connections (a quarter of the pool's limit when that
-    is lower) are kept aside, so the client's other commands are never starved of
-    its pool; one used beyond them goes back to the pool. A forked child drops
-    the parent's connections. One reader per pool, shared by every app on it, and
-    gone with it.
+    A replay from Redis is one ``GET``; through ``client.get`` a good part of its
+    CPU is redis-py's retry, observability and dispatch wrappers around the
+    command (issue 11). This checks a connection out of the client's own pool and
+    back as ``client.get`` does (so the pool's fork and readiness checks, limits
+    and ``disconnect()`` all apply) and sends a pre-packed command on it. The same
+    guarantees: the client's socket timeouts (C24), one more try on a broken
+    connection as the client's ``Retry`` would (a socket left over from before a
+    Redis restart), never after a timeout, and a connection closed after any
+    error, so no half-read reply is ever read by another command.
     """
 
-    _KEPT = 16
+    __slots__ = ("_pool",)
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
-        self._idle: list[Any] = []
-        self._pid = os.getpid()
-        self._kept = max(1, min(self._KEPT, int(pool.max_connections) // 4))
 
     def get(self, name: bytes) -> Any:
-        if self._pid != os.getpid():
-            self._idle, self._pid = [], os.getpid()  # the parent's sockets: never touched
-        idle = self._idle
-        try:
-            conn = idle.pop()
-        except IndexError:
-            conn = self._pool.get_connection()
+        pool = self._pool
+        conn = pool.get_connection()
         command = [b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(name), name)]
         try:
             try:
                 conn.send_packed_command(command)
-                value = conn.read_response()
+                return conn.read_response()
             except _connection_error():
                 # redis-py has closed it; one more try on a new socket, as its Retry does
                 conn.send_packed_command(command)
-                value = conn.read_response()
+                return conn.read_response()
         except BaseException:
             conn.disconnect()
-            self._put_back(conn)
             raise
-        self._put_back(conn)
-        return value
-
-    def _put_back(self, conn: Any) -> None:
-        if conn.should_reconnect():  # a maintenance notice (redis-py's own check, 8.x)
-            conn.disconnect()
-        if len(self._idle) < self._kept:
-            self._idle.append(conn)
-        else:
-            self._pool.release(conn)
-
-
-#: Where a pool's reader lives: on the pool itself, so the two go together. (A weak-keyed
-#: map would keep every pool for ever: a kept connection refers back to its pool.)
-_READER_ATTR = "_flask_idempotency_reader"
+        finally:
+            pool.release(conn)
 
 
 def _connection_error() -> type[BaseException]:
@@ -315,16 +285,9 @@ def _reader_for(client: Any) -> _Reader | None:
         not in (redis.Connection, SSLConnection, UnixDomainSocketConnection)
         or getattr(client, "connection", None) is not None
         or getattr(pool, "cache", None) is not None
-        or not isinstance(getattr(pool, "max_connections", None), int)
     ):
         return None
-    attributes = getattr(pool, "__dict__", None)
-    if attributes is None:
-        return None
-    reader: _Reader | None = attributes.get(_READER_ATTR)
-    if reader is None:
-        reader = attributes.setdefault(_READER_ATTR, _Reader(pool))
-    return reader
+    return _Reader(pool)
 
 
 class RedisCache:
@@ -350,7 +313,6 @@ class RedisCache:
         self._shards = shards
         self._foreign_logged = False
         self._reader = _reader_for(client)
-        self._read: Callable[[str], Any] = self._read_fast if self._reader else self._read_client
 
     def outage_for(self, key_digest: str | None) -> Outage:
         """The back-off that guards this record's node: on a cluster, one per master, so a
@@ -389,12 +351,12 @@ class RedisCache:
             return None
         return decode_value(body)
 
-    def _read_client(self, key_digest: str) -> Any:
+    def _read(self, key_digest: str) -> Any:
+        # Not a bound method chosen once and kept: that would make the cache a reference
+        # cycle, freed only by the garbage collector, sockets and all (C47).
+        if self._reader is not None:
+            return self._reader.get(self.record_name(key_digest).encode("utf-8"))
         return self._client.get(self.record_name(key_digest))
-
-    def _read_fast(self, key_digest: str) -> Any:
-        assert self._reader is not None
-        return self._reader.get(self.record_name(key_digest).encode("utf-8"))
 
     def get(self, key_digest: str) -> Completed | None:
         if not self.outage_for(key_digest).allows():
