@@ -29,8 +29,10 @@ import base64
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -221,41 +223,88 @@ def _headers(text: bytes) -> tuple[tuple[str, str], ...]:
 
 
 class _Reader:
-    """``GET`` on a plain single-node client, without redis-py's per-command wrappers.
+    """``GET`` on a plain single-node client, without redis-py's per-command machinery.
 
-    A replay from Redis is one ``GET``; through ``client.get`` a good part of its
-    CPU is redis-py's retry, observability and dispatch wrappers around the
-    command (issue 11). This checks a connection out of the client's own pool and
-    back as ``client.get`` does (so the pool's fork and readiness checks, limits
-    and ``disconnect()`` all apply) and sends a pre-packed command on it. The same
-    guarantees: the client's socket timeouts (C24), one more try on a broken
-    connection as the client's ``Retry`` would (a socket left over from before a
-    Redis restart), never after a timeout, and a connection closed after any
-    error, so no half-read reply is ever read by another command.
+    A replay from Redis is one ``GET``; through ``client.get`` about half its CPU
+    is redis-py's checkout and return of a pooled connection (a lock, a readiness
+    poll, metrics hooks) and its retry and observability wrappers (issue 11). This
+    keeps the connections it has used in a list of its own (``pop``/``append`` are
+    atomic) and sends a pre-packed command on one. Nothing is given up: the
+    connections are the pool's (its ``disconnect()`` closes them too, in use or
+    not), they keep the client's socket timeouts (C24), a broken connection is
+    retried once as the client's ``Retry`` would (a socket left over from before a
+    Redis restart), a timeout never is, and after any error the connection is
+    closed before it is reused, so no half-read reply is ever read by another
+    command; a connection told to reconnect by a maintenance notice is closed, as
+    the client would. At most ``_KEPT`` connections (a quarter of the pool's limit when that
+    is lower) are kept aside, so the client's other commands are never starved of
+    its pool; one used beyond them goes back to the pool. A forked child drops
+    the parent's connections. One reader per pool, shared by every app on it, and
+    gone with it; the connections it keeps are closed when its client is collected.
     """
 
-    __slots__ = ("_pool",)
+    _KEPT = 16
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+        self._kept = max(1, min(self._KEPT, int(pool.max_connections) // 4))
 
     def get(self, name: bytes) -> Any:
-        pool = self._pool
-        conn = pool.get_connection()
+        if self._pid != os.getpid():
+            self._idle, self._pid = [], os.getpid()  # the parent's sockets: never touched
+        idle = self._idle
+        try:
+            conn = idle.pop()
+        except IndexError:
+            conn = self._pool.get_connection()
         command = [b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(name), name)]
         try:
             try:
                 conn.send_packed_command(command)
-                return conn.read_response()
+                value = conn.read_response()
             except _connection_error():
                 # redis-py has closed it; one more try on a new socket, as its Retry does
                 conn.send_packed_command(command)
-                return conn.read_response()
+                value = conn.read_response()
         except BaseException:
             conn.disconnect()
+            self._put_back(conn)
             raise
-        finally:
-            pool.release(conn)
+        self._put_back(conn)
+        return value
+
+    def close_kept(self) -> None:
+        """Close the connections kept aside: their client is gone (C47).
+
+        Called when the client is collected, before anything it holds is finalized,
+        so no socket is ever left for the garbage collector to find open.
+        """
+        while True:
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                return
+            try:
+                conn.disconnect()
+            except Exception:  # pragma: no cover - closing a socket at collection time
+                pass
+
+    def _put_back(self, conn: Any) -> None:
+        if conn.should_reconnect():  # a maintenance notice (redis-py's own check, 8.x)
+            conn.disconnect()
+        if len(self._idle) < self._kept:
+            self._idle.append(conn)
+        else:
+            self._pool.release(conn)
+
+
+#: Where a pool's reader lives: on the pool itself, so the two go together. (A weak-keyed
+#: map would keep every pool for ever: a kept connection refers back to its pool.)
+_READER_ATTR = "_flask_idempotency_reader"
+#: Marks a client whose collection closes the connections its pool's reader keeps.
+_FINALIZER_ATTR = "_flask_idempotency_finalizer"
 
 
 def _connection_error() -> type[BaseException]:
@@ -285,9 +334,19 @@ def _reader_for(client: Any) -> _Reader | None:
         not in (redis.Connection, SSLConnection, UnixDomainSocketConnection)
         or getattr(client, "connection", None) is not None
         or getattr(pool, "cache", None) is not None
+        or not isinstance(getattr(pool, "max_connections", None), int)
     ):
         return None
-    return _Reader(pool)
+    attributes = getattr(pool, "__dict__", None)
+    if attributes is None:
+        return None
+    reader: _Reader | None = attributes.get(_READER_ATTR)
+    if reader is None:
+        reader = attributes.setdefault(_READER_ATTR, _Reader(pool))
+    if not client.__dict__.get(_FINALIZER_ATTR):  # once per client, however many apps
+        client.__dict__[_FINALIZER_ATTR] = True
+        weakref.finalize(client, reader.close_kept)
+    return reader
 
 
 class RedisCache:

@@ -1,12 +1,12 @@
 """The cache's own ``GET`` on a plain client (issue 11): as safe as ``client.get``.
 
 A replay from Redis reads through :class:`~flask_idempotency.redis_tier._Reader`,
-which sends a pre-packed ``GET`` on a connection of the client's pool without
-redis-py's per-command wrappers. Each test names the guarantee it keeps: a stale
-socket after a Redis restart is retried once and starts no outage, a timeout is
-an outage (C24) and the timed-out connection is never read again, a forked child
-never uses its parent's sockets, and the value written by an earlier release
-still replays. Real redis-server (the fast path is for real clients only).
+which keeps pooled connections aside instead of checking them out of redis-py's
+pool on every read. Each test names the guarantee it keeps: a stale socket after
+a Redis restart is retried once and starts no outage, a timeout is an outage
+(C24) and the timed-out connection is never read again, a forked child never
+uses its parent's sockets, and the value written by an earlier release still
+replays. Real redis-server (the fast path is for real clients only).
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ def test_c24_a_restart_leaves_stale_sockets_that_are_retried_once_not_an_outage(
     cache = fast_cache(redis_server.url)
     cache.promote("d1", RECORD, 60_000)
     assert cache.get("d1") == RECORD
+    kept = list(cache._reader._idle)
+    assert kept, "the connection is kept aside for the next read"
     redis_server.restart()
     assert cache.get("d1") is None  # a new, empty server: a miss, not an error
     assert not cache.outage.down
@@ -98,9 +100,7 @@ def test_c24_a_silent_server_times_out_into_an_outage_and_the_socket_is_closed()
         assert cache.get("d1") is None
         assert time.monotonic() - started < 2.0
         assert cache.outage.down
-        pool = client.connection_pool
-        assert not pool._in_use_connections  # given back,
-        assert all(conn._sock is None for conn in pool._available_connections)  # and closed
+        assert all(conn._sock is None for conn in cache._reader._idle)  # closed, never reread
         assert cache.get("d1") is None  # in the back-off: Redis is not asked
     finally:
         stop.set()
@@ -115,16 +115,15 @@ def test_a_forked_child_never_reads_on_its_parents_sockets(redis_server):
     cache = fast_cache(redis_server.url)
     cache.promote("d1", RECORD, 60_000)
     assert cache.get("d1") == RECORD
-    pool = cache._client.connection_pool
-    parent_conns = list(pool._available_connections)
-    assert parent_conns
+    parent_sockets = {id(conn._sock) for conn in cache._reader._idle}
+    parent_conns = list(cache._reader._idle)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         code = 1
         try:
             ok = cache.get("d1") == RECORD
-            fresh = all(conn not in parent_conns for conn in pool._available_connections)
+            fresh = all(conn not in parent_conns for conn in cache._reader._idle)
             code = 0 if ok and fresh and not cache.outage.down else 2
         finally:
             os.write(write, bytes([code]))
@@ -136,7 +135,9 @@ def test_a_forked_child_never_reads_on_its_parents_sockets(redis_server):
         os.close(read)
         os.waitpid(pid, 0)
     assert answer == b"\x00"
-    assert cache.get("d1") == RECORD  # the parent's connections still work
+    # The parent's connections are untouched by the child and still work.
+    assert {id(conn._sock) for conn in cache._reader._idle} == parent_sockets
+    assert cache.get("d1") == RECORD
 
 
 def test_only_plain_clients_take_the_fast_path(redis_server):
@@ -157,12 +158,14 @@ def test_only_plain_clients_take_the_fast_path(redis_server):
     assert redis_tier._reader_for(Wrapped()) is None
     one = redis.Redis.from_url(redis_server.url)
     try:
-        assert redis_tier._reader_for(one) is not None
+        assert redis_tier._reader_for(one) is redis_tier._reader_for(
+            redis.Redis(connection_pool=one.connection_pool)
+        )
     finally:
         one.close()
 
 
-def test_c24_concurrent_reads_return_every_connection_to_the_pool(redis_server):
+def test_c24_connections_kept_aside_are_bounded(redis_server):
     cache = fast_cache(redis_server.url)
     cache.promote("d1", RECORD, 60_000)
     barrier = threading.Barrier(24)
@@ -178,7 +181,7 @@ def test_c24_concurrent_reads_return_every_connection_to_the_pool(redis_server):
     for thread in threads:
         thread.join(10)
     assert results == [RECORD] * 24
-    assert not cache._client.connection_pool._in_use_connections
+    assert len(cache._reader._idle) <= cache._reader._kept <= 16
 
 
 @given(
@@ -209,7 +212,7 @@ def test_c24_garbage_in_the_new_form_is_a_miss_never_an_error(raw):
 
 
 def test_c47_a_reader_and_its_connections_go_with_their_client(redis_server):
-    """Apps come and go (tests, app factories): nothing of theirs may stay."""
+    """Apps come and go (tests, app factories): their kept connections must not stay."""
     import gc
     import weakref
 
@@ -217,9 +220,10 @@ def test_c47_a_reader_and_its_connections_go_with_their_client(redis_server):
     cache.promote("d1", RECORD, 60_000)
     assert cache.get("d1") == RECORD
     pool = weakref.ref(cache._client.connection_pool)
-    conns = [weakref.ref(conn) for conn in cache._client.connection_pool._available_connections]
-    assert conns
+    reader = weakref.ref(cache._reader)
+    kept = [weakref.ref(conn) for conn in cache._reader._idle]
+    assert kept
     del cache
     gc.collect()
-    assert pool() is None
-    assert all(conn() is None for conn in conns)
+    assert pool() is None and reader() is None
+    assert all(conn() is None for conn in kept)
