@@ -25,11 +25,14 @@ outage is logged once as a warning, its end once, and ``store_error`` with
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +40,7 @@ from flask import current_app, has_app_context, has_request_context, request
 
 from . import process, signals
 from .listener import WakeupListener, listener_for
-from .records import Completed
+from .records import Completed, StoredResponse
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -180,6 +183,197 @@ class ShardOutages:
         return True
 
 
+# -- the cached value ----------------------------------------------------------------------
+#
+# ``{origin}\n2\n{fingerprint}\n{expires_at_ms}\n{status}\n{0|1 body omitted}\n{headers as
+# compact JSON}\n{body in base64}``: one split, no per-field objects, about a quarter of the
+# JSON form's decoding CPU (issue 11). All ASCII, so a client that decodes responses
+# reads it too. A value in the JSON form (``{"v":1,…}``) of earlier releases still reads.
+
+_VALUE_V2 = b"2"
+#: Decoded header lists by their JSON text: nearly every replay of a route has the same.
+_HEADERS_SEEN: dict[bytes, tuple[tuple[str, str], ...]] = {}
+_HEADERS_SEEN_MAX = 256
+
+
+def encode_value(record: Completed) -> bytes:
+    """A completed record as the cache stores it (after the origin line)."""
+    response = record.response
+    return b"\n".join(
+        (
+            _VALUE_V2,
+            record.fingerprint.encode("ascii"),
+            b"%d" % record.expires_at_ms,
+            b"%d" % response.status,
+            b"1" if response.body_omitted else b"0",
+            response.headers_json().encode("ascii"),
+            base64.b64encode(response.body),
+        )
+    )
+
+
+def decode_value(raw: bytes) -> Completed | None:
+    """The record in a cached value, either form; ``None`` for anything else."""
+    if not raw.startswith(b"2\n"):
+        return Completed.from_json(raw)  # written by an earlier release
+    try:
+        _, fingerprint, expires, status, omitted, headers, body = raw.split(b"\n")
+        if omitted not in (b"0", b"1"):
+            return None
+        return Completed(
+            fingerprint.decode("ascii"),
+            int(expires),
+            StoredResponse(
+                int(status),
+                _headers(headers),
+                base64.b64decode(body, validate=True),
+                omitted == b"1",
+            ),
+        )
+    except (ValueError, TypeError, RecursionError):
+        return None
+
+
+def _headers(text: bytes) -> tuple[tuple[str, str], ...]:
+    headers = _HEADERS_SEEN.get(text)
+    if headers is None:
+        pairs = json.loads(text)
+        if not isinstance(pairs, list):
+            raise ValueError("headers are a list of pairs")
+        headers = tuple((str(name), str(value)) for name, value in pairs)
+        if len(_HEADERS_SEEN) >= _HEADERS_SEEN_MAX:
+            _HEADERS_SEEN.clear()
+        _HEADERS_SEEN[text] = headers
+    return headers
+
+
+class _Reader:
+    """``GET`` on a plain single-node client, without redis-py's per-command machinery.
+
+    A replay from Redis is one ``GET``; through ``client.get`` about half its CPU
+    is redis-py's checkout and return of a pooled connection (a lock, a readiness
+    poll, metrics hooks) and its retry and observability wrappers (issue 11). This
+    keeps the connections it has used in a list of its own (``pop``/``append`` are
+    atomic) and sends a pre-packed command on one. Nothing is given up: the
+    connections are the pool's (its ``disconnect()`` closes them too, in use or
+    not), they keep the client's socket timeouts (C24), a broken connection is
+    retried once as the client's ``Retry`` would (a socket left over from before a
+    Redis restart), a timeout never is, and after any error the connection is
+    closed before it is reused, so no half-read reply is ever read by another
+    command; a connection told to reconnect by a maintenance notice is closed, as
+    the client would. At most ``_KEPT`` connections (a quarter of the pool's limit when that
+    is lower) are kept aside, so the client's other commands are never starved of
+    its pool; one used beyond them goes back to the pool. A forked child drops
+    the parent's connections. One reader per pool, shared by every app on it, and
+    gone with it; the connections it keeps are closed when its client is collected.
+    """
+
+    _KEPT = 16
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+        self._kept = max(1, min(self._KEPT, int(pool.max_connections) // 4))
+
+    def get(self, name: bytes) -> Any:
+        if self._pid != os.getpid():
+            self._idle, self._pid = [], os.getpid()  # the parent's sockets: never touched
+        idle = self._idle
+        try:
+            conn = idle.pop()
+        except IndexError:
+            conn = self._pool.get_connection()
+        command = [b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(name), name)]
+        try:
+            try:
+                conn.send_packed_command(command)
+                value = conn.read_response()
+            except _connection_error():
+                # redis-py has closed it; one more try on a new socket, as its Retry does
+                conn.send_packed_command(command)
+                value = conn.read_response()
+        except BaseException:
+            conn.disconnect()
+            self._put_back(conn)
+            raise
+        self._put_back(conn)
+        return value
+
+    def close_kept(self) -> None:
+        """Close the connections kept aside: their client is gone (C47).
+
+        Called when the client is collected, before anything it holds is finalized,
+        so no socket is ever left for the garbage collector to find open.
+        """
+        while True:
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                return
+            try:
+                conn.disconnect()
+            except Exception:  # pragma: no cover - closing a socket at collection time
+                pass
+
+    def _put_back(self, conn: Any) -> None:
+        if conn.should_reconnect():  # a maintenance notice (redis-py's own check, 8.x)
+            conn.disconnect()
+        if len(self._idle) < self._kept:
+            self._idle.append(conn)
+        else:
+            self._pool.release(conn)
+
+
+#: Where a pool's reader lives: on the pool itself, so the two go together. (A weak-keyed
+#: map would keep every pool for ever: a kept connection refers back to its pool.)
+_READER_ATTR = "_flask_idempotency_reader"
+#: Marks a client whose collection closes the connections its pool's reader keeps.
+_FINALIZER_ATTR = "_flask_idempotency_finalizer"
+
+
+def _connection_error() -> type[BaseException]:
+    import redis
+
+    return redis.ConnectionError
+
+
+def _reader_for(client: Any) -> _Reader | None:
+    """The fast ``GET`` for ``client``, or ``None`` when it is not a plain one.
+
+    Plain: a ``redis.Redis`` on a ``redis.ConnectionPool`` of TCP, TLS or Unix
+    socket connections, with no client-side cache and no pinned connection.
+    Anything else (Sentinel, Cluster, fakes, wrappers) uses ``client.get``.
+    """
+    try:
+        import redis
+        from redis.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection
+    except ImportError:  # pragma: no cover - the tier is only built with redis installed
+        return None
+    if type(client) is not redis.Redis:
+        return None
+    pool = client.connection_pool
+    if (
+        type(pool) is not ConnectionPool
+        or pool.connection_class
+        not in (redis.Connection, SSLConnection, UnixDomainSocketConnection)
+        or getattr(client, "connection", None) is not None
+        or getattr(pool, "cache", None) is not None
+        or not isinstance(getattr(pool, "max_connections", None), int)
+    ):
+        return None
+    attributes = getattr(pool, "__dict__", None)
+    if attributes is None:
+        return None
+    reader: _Reader | None = attributes.get(_READER_ATTR)
+    if reader is None:
+        reader = attributes.setdefault(_READER_ATTR, _Reader(pool))
+    if not client.__dict__.get(_FINALIZER_ATTR):  # once per client, however many apps
+        client.__dict__[_FINALIZER_ATTR] = True
+        weakref.finalize(client, reader.close_kept)
+    return reader
+
+
 class RedisCache:
     """:class:`~flask_idempotency.cache.ResponseCache` on Redis (single node, Sentinel, Cluster).
 
@@ -202,6 +396,7 @@ class RedisCache:
         self.outage = outage or Outage()
         self._shards = shards
         self._foreign_logged = False
+        self._reader = _reader_for(client)
 
     def outage_for(self, key_digest: str | None) -> Outage:
         """The back-off that guards this record's node: on a cluster, one per master, so a
@@ -219,7 +414,7 @@ class RedisCache:
         return f"{_names_prefix(self.prefix, self.origin)}:{{{key_digest}}}"
 
     def _encode(self, record: Completed) -> bytes:
-        return self.origin.encode("ascii") + b"\n" + record.to_json()
+        return self.origin.encode("ascii") + b"\n" + encode_value(record)
 
     def _decode(self, raw: bytes | str, key_digest: str) -> Completed | None:
         if isinstance(raw, str):
@@ -238,14 +433,20 @@ class RedisCache:
                     self.origin,
                 )
             return None
-        return Completed.from_json(body)
+        return decode_value(body)
+
+    def _read(self, key_digest: str) -> Any:
+        # Not a bound method chosen once and kept: that would make the cache a reference
+        # cycle, freed only by the garbage collector, sockets and all (C47).
+        if self._reader is not None:
+            return self._reader.get(self.record_name(key_digest).encode("utf-8"))
+        return self._client.get(self.record_name(key_digest))
 
     def get(self, key_digest: str) -> Completed | None:
         if not self.outage_for(key_digest).allows():
             return None
         try:
-            name = self.record_name(key_digest)
-            raw = self._client.get(name)
+            raw = self._read(key_digest)
         except Exception as exc:
             self._failed(exc, "get", key_digest)
             return None
@@ -265,11 +466,14 @@ class RedisCache:
         """One read that ignores the back-off: the database is down, and a cached record
         could still answer a replay (15.6). Never raises; does not start an outage."""
         try:
-            raw = self._client.get(self.record_name(key_digest))
+            raw = self._read(key_digest)
         except Exception:
             return None
         self._succeeded(key_digest)
-        return None if raw is None else self._decode(raw, key_digest)
+        try:
+            return None if raw is None else self._decode(raw, key_digest)
+        except Exception:
+            return None
 
     def promote(self, key_digest: str, record: Completed, ttl_ms: int) -> None:
         if ttl_ms <= 0 or not self.outage_for(key_digest).allows():

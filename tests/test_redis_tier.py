@@ -26,7 +26,7 @@ from flask import jsonify, request
 from flask_idempotency import idempotent, listener, signals, wakeup
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.records import Completed
-from flask_idempotency.redis_tier import Outage, RedisTier
+from flask_idempotency.redis_tier import Outage, RedisTier, decode_value
 from flask_idempotency.wakeup import PollSchedule, WakeupHub
 from tests.support.waiting import wait_until as _wait_until
 
@@ -128,10 +128,12 @@ def assert_expires_with(expire_at_ms: int, row: Any) -> None:
 
 
 def cached_json(raw: bytes) -> Any:
-    """The record part of a cached value (after the origin line, C41)."""
+    """The record part of a cached value (after the origin line, C41), as a dict."""
     origin, _, body = raw.partition(b"\n")
     assert len(origin) == 16
-    return json.loads(body)
+    record = decode_value(body)
+    assert record is not None, body
+    return {"v": int(body[:1]), "fp": record.fingerprint, "exp": record.expires_at_ms}
 
 
 def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
@@ -257,7 +259,7 @@ def test_corrupt_or_foreign_cache_values_are_ignored(make_app, server):
             again = post(env)
         assert again.status_code == 201 and again.data == first.data
         assert sources == ["database"]
-        assert cached_json(client.get(name))["v"] == 1  # read-through repaired it
+        assert cached_json(client.get(name))["v"] == 2  # read-through repaired it
     assert env.calls == [1]
 
 

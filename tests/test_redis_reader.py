@@ -1,0 +1,229 @@
+"""The cache's own ``GET`` on a plain client (issue 11): as safe as ``client.get``.
+
+A replay from Redis reads through :class:`~flask_idempotency.redis_tier._Reader`,
+which keeps pooled connections aside instead of checking them out of redis-py's
+pool on every read. Each test names the guarantee it keeps: a stale socket after
+a Redis restart is retried once and starts no outage, a timeout is an outage
+(C24) and the timed-out connection is never read again, a forked child never
+uses its parent's sockets, and the value written by an earlier release still
+replays. Real redis-server (the fast path is for real clients only).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from flask_idempotency import redis_tier
+from flask_idempotency.records import Completed, StoredResponse
+from flask_idempotency.redis_tier import RedisCache
+
+RECORD = Completed(
+    "f" * 64,
+    4_102_444_800_000,
+    StoredResponse(201, (("Content-Type", "application/json"),), b'{"id": "pay_1"}\n\x00\xff'),
+)
+
+
+def fast_cache(url: str, timeout: float = 0.5) -> RedisCache:
+    client = redis_tier._client_from_url(url, socket_timeout=timeout, connect_timeout=timeout)
+    cache = RedisCache(client, prefix="reader", origin="o" * 16)
+    assert cache._reader is not None, "a client from a URL reads through the fast path"
+    return cache
+
+
+def test_c9_round_trip_is_exact_and_an_old_format_value_still_reads(redis_server):
+    cache = fast_cache(redis_server.url)
+    cache.promote("d1", RECORD, 60_000)
+    assert cache.get("d1") == RECORD
+    assert cache.get("absent") is None
+    old_form = cache.origin.encode() + b"\n" + RECORD.to_json()  # an earlier release's value
+    cache._client.set(cache.record_name("d2"), old_form, px=60_000)
+    assert cache.get("d2") == RECORD
+    assert not cache.outage.down
+
+
+def test_c41_a_value_of_another_origin_is_a_miss(redis_server):
+    cache = fast_cache(redis_server.url)
+    other = RedisCache(cache._client, prefix="reader", origin="x" * 16)
+    other.promote("d1", RECORD, 60_000)
+    assert other.get("d1") == RECORD
+    assert cache.get("d1") is None
+
+
+def test_c24_a_restart_leaves_stale_sockets_that_are_retried_once_not_an_outage(redis_server):
+    cache = fast_cache(redis_server.url)
+    cache.promote("d1", RECORD, 60_000)
+    assert cache.get("d1") == RECORD
+    kept = list(cache._reader._idle)
+    assert kept, "the connection is kept aside for the next read"
+    redis_server.restart()
+    assert cache.get("d1") is None  # a new, empty server: a miss, not an error
+    assert not cache.outage.down
+    cache.promote("d1", RECORD, 60_000)
+    assert cache.get("d1") == RECORD
+
+
+def test_c24_a_silent_server_times_out_into_an_outage_and_the_socket_is_closed():
+    """A Redis that accepts and never answers costs one timeout, then the back-off."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        port = listener.getsockname()[1]
+        client = redis_tier._client_from_url(
+            f"redis://127.0.0.1:{port}/0", socket_timeout=0.2, connect_timeout=0.2
+        )
+        # Built on a client whose handshake never happens: no HELLO/CLIENT calls on connect.
+        client.connection_pool.connection_kwargs["protocol"] = 2
+        cache = RedisCache(client, prefix="reader", origin="o" * 16)
+        assert cache._reader is not None
+        started = time.monotonic()
+        assert cache.get("d1") is None
+        assert time.monotonic() - started < 2.0
+        assert cache.outage.down
+        assert all(conn._sock is None for conn in cache._reader._idle)  # closed, never reread
+        assert cache.get("d1") is None  # in the back-off: Redis is not asked
+    finally:
+        stop.set()
+        thread.join(5)
+        for conn in accepted:
+            conn.close()
+        listener.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_forked_child_never_reads_on_its_parents_sockets(redis_server):
+    cache = fast_cache(redis_server.url)
+    cache.promote("d1", RECORD, 60_000)
+    assert cache.get("d1") == RECORD
+    parent_sockets = {id(conn._sock) for conn in cache._reader._idle}
+    parent_conns = list(cache._reader._idle)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            ok = cache.get("d1") == RECORD
+            fresh = all(conn not in parent_conns for conn in cache._reader._idle)
+            code = 0 if ok and fresh and not cache.outage.down else 2
+        finally:
+            os.write(write, bytes([code]))
+            os._exit(0)
+    os.close(write)
+    try:
+        answer = os.read(read, 1)
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert answer == b"\x00"
+    # The parent's connections are untouched by the child and still work.
+    assert {id(conn._sock) for conn in cache._reader._idle} == parent_sockets
+    assert cache.get("d1") == RECORD
+
+
+def test_only_plain_clients_take_the_fast_path(redis_server):
+    import fakeredis
+    import redis
+
+    assert redis_tier._reader_for(fakeredis.FakeRedis()) is None
+    pinned = redis.Redis.from_url(redis_server.url, single_connection_client=True)
+    try:
+        assert redis_tier._reader_for(pinned) is None
+    finally:
+        pinned.close()
+
+    class Wrapped:
+        def __getattr__(self, name: str) -> Any:
+            raise redis.TimeoutError("never asked")
+
+    assert redis_tier._reader_for(Wrapped()) is None
+    one = redis.Redis.from_url(redis_server.url)
+    try:
+        assert redis_tier._reader_for(one) is redis_tier._reader_for(
+            redis.Redis(connection_pool=one.connection_pool)
+        )
+    finally:
+        one.close()
+
+
+def test_c24_connections_kept_aside_are_bounded(redis_server):
+    cache = fast_cache(redis_server.url)
+    cache.promote("d1", RECORD, 60_000)
+    barrier = threading.Barrier(24)
+    results: list[Any] = []
+
+    def read() -> None:
+        barrier.wait(10)
+        results.append(cache.get("d1"))
+
+    threads = [threading.Thread(target=read) for _ in range(24)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert results == [RECORD] * 24
+    assert len(cache._reader._idle) <= cache._reader._kept <= 16
+
+
+@given(
+    st.builds(
+        Completed,
+        st.text(alphabet="0123456789abcdef", min_size=1, max_size=64),
+        st.integers(min_value=0, max_value=2**62),
+        st.builds(
+            StoredResponse,
+            st.integers(min_value=100, max_value=599),
+            st.lists(st.tuples(st.text(max_size=20), st.text(max_size=40)), max_size=4).map(tuple),
+            st.binary(max_size=200),
+            st.booleans(),
+        ),
+    )
+)
+def test_c9_the_cached_value_decodes_to_exactly_the_record(record):
+    assert redis_tier.decode_value(redis_tier.encode_value(record)) == record
+
+
+@given(st.binary(max_size=300).map(lambda tail: b"2\n" + tail))
+@example(b"2\nf\n1\n201\n0\n" + b"[" * 5000 + b"\n")
+@example(b"2\nf\n1\n201\n0\n[[1]]\n")
+@example(b"2\nf\n1\n201\n2\n[]\n")
+def test_c24_garbage_in_the_new_form_is_a_miss_never_an_error(raw):
+    decoded = redis_tier.decode_value(raw)
+    assert decoded is None or isinstance(decoded, Completed)
+
+
+def test_c47_a_reader_and_its_connections_go_with_their_client(redis_server):
+    """Apps come and go (tests, app factories): their kept connections must not stay."""
+    import gc
+    import weakref
+
+    cache = fast_cache(redis_server.url)
+    cache.promote("d1", RECORD, 60_000)
+    assert cache.get("d1") == RECORD
+    pool = weakref.ref(cache._client.connection_pool)
+    reader = weakref.ref(cache._reader)
+    kept = [weakref.ref(conn) for conn in cache._reader._idle]
+    assert kept
+    del cache
+    gc.collect()
+    assert pool() is None and reader() is None
+    assert all(conn() is None for conn in kept)
