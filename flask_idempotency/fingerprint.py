@@ -226,11 +226,9 @@ def _closing(close: Any, spool: IO[bytes]) -> Any:
 
 
 def _digest(*parts: bytes) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(len(part).to_bytes(8, "big"))
-        digest.update(part)
-    return digest.hexdigest()
+    """SHA-256 over length-prefixed parts, fed as one buffer (one call into the hash)."""
+    framed = b"".join(len(part).to_bytes(8, "big") + part for part in parts)
+    return hashlib.sha256(framed).hexdigest()
 
 
 def _unproxied(request: Request) -> Request:

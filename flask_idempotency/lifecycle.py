@@ -153,22 +153,27 @@ def _hold_state() -> None:
 
 def _before_protected(view: Callable[..., Any]) -> Response | None:
     state: AppState = current_app.extensions["idempotency"]
-    route = _route_options(view)
+    req = _current_request()  # bound once: each read through the proxy is a context lookup
+    method = req.method
+    route = _route_options(view, method)
     if route is None:
         return None
     options = state.effective_options(route)
-    if request.method not in options.methods:
+    if method not in options.methods:
         return None  # C1: a key on another method is ignored
     if options.atomic:
         state.require_db()  # a configuration error must surface before anything is claimed
     started = time.perf_counter()
     settings = state.settings
     try:
-        headers = request.headers.getlist(settings.header)
+        # One environ look-up: a WSGI server joins repeated header lines into one value,
+        # so a list can never hold more than it (``getlist`` would scan the whole environ).
+        header = req.headers.get(settings.header)
+        headers = [header] if header is not None else []
         key = (
             parse_key(headers, strict=settings.strict_header, max_length=settings.key_max_length)
             if headers
-            else forms.key_from_form(request, settings)  # C49: no header, maybe a form field
+            else forms.key_from_form(req, settings)  # C49: no header, maybe a form field
         )
     except InvalidKey as exc:
         raise InvalidKeyProblem(str(exc)) from None  # C3
@@ -180,9 +185,9 @@ def _before_protected(view: Callable[..., Any]) -> Response | None:
     ident = Identity(
         scope=scope,
         key_digest=key_digest(scope, key),
-        fingerprint=request_fingerprint(request, forms.omitted_fields(settings)),
-        method=request.method,
-        path=request.path,
+        fingerprint=request_fingerprint(req, forms.omitted_fields(settings)),
+        method=method,
+        path=req.path,
     )
     decision = _Decision(state, ident, options, started)
     try:
@@ -196,7 +201,7 @@ def _before_protected(view: Callable[..., Any]) -> Response | None:
         return _store_down(decision, exc)
 
 
-def _route_options(view: Callable[..., Any]) -> RouteOptions | None:
+def _route_options(view: Callable[..., Any], method: str) -> RouteOptions | None:
     """The ``@idempotent`` options of ``view``, the view this request goes to, if protected.
 
     The mark sits on the registered view function, or, for a class-based view,
@@ -206,7 +211,7 @@ def _route_options(view: Callable[..., Any]) -> RouteOptions | None:
     if options is None:
         view_class = getattr(view, "view_class", None)
         if view_class is not None:
-            handler = getattr(view_class, request.method.lower(), None)
+            handler = getattr(view_class, method.lower(), None)
             options = getattr(handler, ROUTE_OPTIONS_ATTR, None)
     return options
 
