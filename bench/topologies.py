@@ -22,6 +22,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -31,8 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from flask import Flask, jsonify, request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sqlalchemy import MetaData, Table, create_engine
 
+from bench.harness import system_binary
 from flask_idempotency import Idempotency, idempotent, signals
 
 DATABASE_URL = os.environ.get(
@@ -50,16 +54,20 @@ def _free_port(taken: set[int], limit: int = 55535) -> int:
             return port
 
 
+#: The machine's redis-cli, not the Redis 6 one the dev extra puts in the virtualenv.
+_REDIS_CLI = system_binary("redis-cli") or "redis-cli"
+
+
 def _cli(port: int, *words: str) -> str:
     done = subprocess.run(
-        ["redis-cli", "-p", str(port), *words], capture_output=True, text=True, check=False
+        [_REDIS_CLI, "-p", str(port), *words], capture_output=True, text=True, check=False
     )
     return done.stdout + done.stderr
 
 
 def _start(args: list[str], port: int, workdir: Path) -> subprocess.Popen[bytes]:
     workdir.mkdir(parents=True, exist_ok=True)
-    binary = shutil.which("redis-server") or "redis-server"
+    binary = system_binary("redis-server") or "redis-server"
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *args],
         cwd=workdir,
@@ -93,7 +101,7 @@ class Servers:
             self.procs.append(_start(args, port, self.dir / f"node{n}"))
             ports.append(port)
         out = subprocess.run(
-            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+            [_REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
              "--cluster-replicas", "0", "--cluster-yes"],
             capture_output=True, text=True, check=False,
         )  # fmt: skip

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -275,6 +276,9 @@ class _Reader:
         self._idle: list[Any] = []
         self._pid = os.getpid()
         self._kept = max(1, min(self._KEPT, int(pool.max_connections) // 4))
+        self._checkout_args = _checkout_args(pool)
+        #: Whether connections can be told to reconnect by a maintenance notice (redis-py 8).
+        self._notices = hasattr(pool.connection_class, "should_reconnect")
 
     def get(self, name: bytes) -> Any:
         if self._pid != os.getpid():
@@ -283,7 +287,7 @@ class _Reader:
         try:
             conn = idle.pop()
         except IndexError:
-            conn = self._pool.get_connection()
+            conn = self._pool.get_connection(*self._checkout_args)
         command = [b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(name), name)]
         try:
             try:
@@ -317,12 +321,24 @@ class _Reader:
                 pass
 
     def _put_back(self, conn: Any) -> None:
-        if conn.should_reconnect():  # a maintenance notice (redis-py's own check, 8.x)
+        if self._notices and conn.should_reconnect():  # a maintenance notice
             conn.disconnect()
         if len(self._idle) < self._kept:
             self._idle.append(conn)
         else:
             self._pool.release(conn)
+
+
+def _checkout_args(pool: Any) -> tuple[str, ...]:
+    """What ``pool.get_connection`` needs: redis-py before 6 requires a command name,
+    later releases take none (and warn when given one)."""
+    try:
+        parameter = inspect.signature(pool.get_connection).parameters.get("command_name")
+    except (TypeError, ValueError):  # pragma: no cover - a builtin or odd pool
+        return ()
+    if parameter is not None and parameter.default is inspect.Parameter.empty:
+        return ("GET",)
+    return ()
 
 
 #: Where a pool's reader lives: on the pool itself, so the two go together. (A weak-keyed

@@ -10,7 +10,6 @@ never counts as a pass there.
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, make_url
 
 from flask_idempotency import Idempotency
+from tests.support.binaries import system_binary
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PG_BASE_URL = os.environ.get(
@@ -271,7 +271,7 @@ def _no_pool_outlives_its_test() -> Iterator[None]:
 
 
 def redis_server_binary() -> str:
-    path = shutil.which("redis-server")
+    path = system_binary("redis-server")
     if path is None:
         service_missing("redis-server", "the binary is not on PATH")
     return str(path)

@@ -8,13 +8,13 @@ create``. ``SentinelGroup``: one master, one replica and three sentinels.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
+from tests.support.binaries import system_binary
 from tests.support.redis_server import free_port
 
 START_TIMEOUT = 30.0
@@ -22,7 +22,7 @@ START_TIMEOUT = 30.0
 
 def redis_cli(port: int, *words: str, timeout: float = 10.0) -> str:
     """``redis-cli -p port words...``: its output and errors, as text."""
-    cli = shutil.which("redis-cli") or "redis-cli"
+    cli = system_binary("redis-cli") or "redis-cli"
     done = subprocess.run(
         [cli, "-h", "127.0.0.1", "-p", str(port), *words],
         capture_output=True,
