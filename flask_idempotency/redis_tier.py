@@ -281,6 +281,20 @@ class _Reader:
         self._notices = hasattr(pool.connection_class, "should_reconnect")
 
     def get(self, name: bytes) -> Any:
+        return self._run([b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(name), name)], 1)[0]
+
+    def set_and_publish(
+        self, name: str, value: bytes, ttl_ms: int, channel: str, payload: str
+    ) -> None:
+        """``SET name value PX ttl_ms`` (skipped when ``ttl_ms <= 0``) and ``PUBLISH``, sent
+        together and both replies read: the completion's one round trip (C23)."""
+        commands: list[tuple[Any, ...]] = [("PUBLISH", channel, payload)]
+        if ttl_ms > 0:
+            commands.insert(0, ("SET", name, value, "PX", ttl_ms))
+        self._run(commands, len(commands))
+
+    def _run(self, commands: list[Any], replies: int) -> list[Any]:
+        """Send ``commands`` (pre-packed bytes, or argument tuples) and read ``replies``."""
         if self._pid != os.getpid():
             self._idle, self._pid = [], os.getpid()  # the parent's sockets: never touched
         idle = self._idle
@@ -288,21 +302,21 @@ class _Reader:
             conn = idle.pop()
         except IndexError:
             conn = self._pool.get_connection(*self._checkout_args)
-        command = [b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(name), name)]
+        packed = commands if isinstance(commands[0], bytes) else conn.pack_commands(commands)
         try:
             try:
-                conn.send_packed_command(command)
-                value = conn.read_response()
+                conn.send_packed_command(packed)
+                values = [conn.read_response() for _ in range(replies)]
             except _connection_error():
                 # redis-py has closed it; one more try on a new socket, as its Retry does
-                conn.send_packed_command(command)
-                value = conn.read_response()
+                conn.send_packed_command(packed)
+                values = [conn.read_response() for _ in range(replies)]
         except BaseException:
-            conn.disconnect()
+            conn.disconnect()  # an error reply may leave the next one unread: never reuse
             self._put_back(conn)
             raise
         self._put_back(conn)
-        return value
+        return values
 
     def close_kept(self) -> None:
         """Close the connections kept aside: their client is gone (C47).
@@ -518,11 +532,20 @@ class RedisCache:
         if not self.outage.allows():
             return True  # skipped, as the two calls would have been
         try:
-            pipe = self._client.pipeline(transaction=False)
-            if ttl_ms > 0:
-                pipe.set(self.record_name(key_digest), self._encode(record), px=ttl_ms)
-            pipe.publish(notifier.channel, notifier.wakeup_payload(key_digest, event))
-            pipe.execute()
+            if self._reader is not None:
+                self._reader.set_and_publish(
+                    self.record_name(key_digest),
+                    self._encode(record),
+                    ttl_ms,
+                    notifier.channel,
+                    notifier.wakeup_payload(key_digest, event),
+                )
+            else:
+                pipe = self._client.pipeline(transaction=False)
+                if ttl_ms > 0:
+                    pipe.set(self.record_name(key_digest), self._encode(record), px=ttl_ms)
+                pipe.publish(notifier.channel, notifier.wakeup_payload(key_digest, event))
+                pipe.execute()
         except Exception as exc:
             self._failed(exc, "promote", key_digest)
             return True
