@@ -587,20 +587,9 @@ class DurableStore:
         if direct is not None:
             return self._complete_direct(direct, claim, response)
         stmt = self._complete_statement()
-        params = {
-            "p_record_id": claim.record_id,
-            "p_lock_token": claim.lock_token,
-            "p_status": response.status,
-            "p_headers": response.headers_json(),
-            "p_body": response.body,
-            "p_body_omitted": response.body_omitted,
-        }
-        t = self.table
-        applied = select(t.c.expires_at_ms).where(
-            t.c.id == claim.record_id,
-            t.c.lock_token == claim.lock_token,
-            t.c.state == COMPLETED,
-        )
+        params = _completion_params(claim, response)
+        applied = self._applied_statement()
+        applied_params = {"p_record_id": claim.record_id, "p_lock_token": claim.lock_token}
         attempts = 0
 
         def complete_own(conn: Connection) -> int | None:
@@ -610,11 +599,13 @@ class DurableStore:
             if result.returns_rows:
                 row = result.first()
             else:  # MySQL/MariaDB: the matched-row count decides
-                row = conn.execute(applied).first() if result.rowcount == 1 else None
+                row = (
+                    conn.execute(applied, applied_params).first() if result.rowcount == 1 else None
+                )
             if row is None and attempts > 1:
                 # An earlier attempt's COMMIT may have reached the server with its reply
                 # lost: the completed row still carries our token (C14).
-                row = conn.execute(applied).first()
+                row = conn.execute(applied, applied_params).first()
             return None if row is None else int(row.expires_at_ms)
 
         return self._run(complete_own, single)
@@ -625,15 +616,7 @@ class DurableStore:
         """:meth:`complete` on the pooled psycopg2 connection directly: the same fenced
         UPDATE … RETURNING, and the same check for a lost reply on a retry (C14)."""
         statement = self._direct_sql("complete", self._complete_statement)
-        params = {
-            **statement.defaults,
-            "p_record_id": claim.record_id,
-            "p_lock_token": claim.lock_token,
-            "p_status": response.status,
-            "p_headers": response.headers_json(),
-            "p_body": response.body,
-            "p_body_omitted": response.body_omitted,
-        }
+        params = {**statement.defaults, **_completion_params(claim, response)}
         applied = self._direct_sql("applied", self._applied_statement)
         applied_params = {
             **applied.defaults,
@@ -923,3 +906,15 @@ def _describe(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None) or exc
     first_line = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
     return f"{type(orig).__name__}: {first_line}"
+
+
+def _completion_params(claim: Claim, response: StoredResponse) -> dict[str, Any]:
+    """The fenced completion's bound values, on either execution path."""
+    return {
+        "p_record_id": claim.record_id,
+        "p_lock_token": claim.lock_token,
+        "p_status": response.status,
+        "p_headers": response.headers_json(),
+        "p_body": response.body,
+        "p_body_omitted": response.body_omitted,
+    }
