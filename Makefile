@@ -19,7 +19,7 @@ endif
 PORT ?= 5000
 HOST ?= 127.0.0.1
 
-.PHONY: install system-deps run test test-fast test-versions lint chaos bench docs dist package-check clean
+.PHONY: install system-deps run test test-fast test-versions lint chaos bench profile docs dist package-check clean
 
 install: $(STAMP)
 
@@ -92,11 +92,19 @@ lint: install
 # Then the Redis topologies (single node vs a 3-master cluster the script starts), the
 # MariaDB paths with their raw-driver floor, and the lease heartbeat's overhead.
 bench: install
-	$(PY) -c "import matplotlib, idemkit, asyncpg" 2>/dev/null || $(PIP) install -q -e '.[bench]'
+	$(PY) -c "import matplotlib, idemkit, asyncpg" 2>/dev/null && test -x $(VENV)/bin/py-spy \
+	  || $(PIP) install -q -e '.[bench]'
 	$(PY) bench/run.py $(BENCH_ARGS)
 	$(PY) bench/topologies.py --json bench/results/topologies.json
 	$(PY) bench/mariadb.py | tee bench/results/mariadb.md
 	$(PY) bench/heartbeat_overhead.py | tee bench/results/heartbeat.md
+
+# Where a request's time goes, step by step (in-process timers, cProfile, py-spy on a
+# gunicorn worker under wrk): bench/results/profile.md below its hand-written reading.
+profile: install
+	$(PY) -c "import matplotlib, idemkit, asyncpg" 2>/dev/null && test -x $(VENV)/bin/py-spy \
+	  || $(PIP) install -q -e '.[bench]'
+	$(PY) bench/profiling.py $(PROFILE_ARGS)
 
 # The Sphinx site in docs/_build/html, warnings as errors; then headless Chromium takes
 # screenshots of the home page and the API reference (docs/_build/screenshots/) and

@@ -72,8 +72,10 @@ def _timed(name: str, fn: Any) -> Any:
 
 #: (label, module, owner attribute or None, function name); indentation = nesting.
 STEPS = [
-    # The hooks' fast exits (an unprotected request) are not timed: only their full paths.
-    ("before_request", "flask_idempotency.lifecycle", None, "_before_protected"),
+    # The layer is the wrapper standing for a marked view: what it does before the view
+    # (decide) and on the response Flask made of it (settle). An unprotected request
+    # runs nothing of it.
+    ("decide (before the view)", "flask_idempotency.lifecycle", None, "_decide_request"),
     ("· route options", "flask_idempotency.lifecycle", None, "_route_options"),
     ("· parse key", "flask_idempotency.lifecycle", None, "parse_key"),
     ("· scope", "flask_idempotency.extension", "AppState", "scope_for_request"),
@@ -84,7 +86,7 @@ STEPS = [
     ("· own the claim", "flask_idempotency.lifecycle", None, "_own"),
     ("· build the replay", "flask_idempotency.lifecycle", None, "replay"),
     ("view", "bench.benchapp", None, "_view"),
-    ("after_request", "flask_idempotency.lifecycle", None, "_after"),
+    ("settle (after the view)", "flask_idempotency.lifecycle", None, "_settle"),
     ("· capture the response", "flask_idempotency.lifecycle", None, "capture"),
     ("· complete (PostgreSQL)", "flask_idempotency.store", "DurableStore", "complete"),
     (
@@ -95,7 +97,6 @@ STEPS = [
     ),
     ("· wake local waiters", "flask_idempotency.wakeup", "WakeupHub", "wake"),
     ("signals (all)", "flask_idempotency.lifecycle", None, "_send"),
-    ("teardown_request", "flask_idempotency.lifecycle", None, "_teardown"),
 ]
 
 
@@ -168,12 +169,9 @@ SPY_STEPS = [
     ("fingerprint", "request_fingerprint", "flask_idempotency/fingerprint.py"),
     ("capture", "capture", "flask_idempotency/responses.py"),
     ("replay build", "replay", "flask_idempotency/responses.py"),
-    ("other before_request", "_before_protected", "flask_idempotency/lifecycle.py"),
-    ("other before_request", "before_request", "flask_idempotency/lifecycle.py"),
-    ("other after_request", "_after", "flask_idempotency/lifecycle.py"),
-    ("other after_request", "after_request", "flask_idempotency/lifecycle.py"),
-    ("teardown_request", "_teardown", "flask_idempotency/lifecycle.py"),
-    ("teardown_request", "teardown_request", "flask_idempotency/lifecycle.py"),
+    ("other: deciding", "_decide_request", "flask_idempotency/lifecycle.py"),
+    ("other: settling", "_settle", "flask_idempotency/lifecycle.py"),
+    ("other: the view wrapper", "protected", "flask_idempotency/lifecycle.py"),
     ("view", "_view", "bench/benchapp.py"),
     ("Flask/Werkzeug request handling", "wsgi_app", "flask/app.py"),
     ("gunicorn: HTTP parsing, socket writes", "handle", "gunicorn/workers/gthread.py"),

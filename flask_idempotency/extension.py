@@ -166,7 +166,7 @@ class Idempotency:
             self.init_app(app)
 
     def init_app(self, app: Flask) -> None:
-        """Register the request hooks, the CLI and this app's store."""
+        """Put the layer in front of the app's marked views; register the CLI and the store."""
         existing = app.extensions.get(EXTENSION_NAME)
         if existing is not None:
             if existing.extension is self:
@@ -180,10 +180,7 @@ class Idempotency:
         wakeups = WakeupHub(max_waiters=settings.max_waiters)
         cache = self._build_cache(settings, store, wakeups)
         app.extensions[EXTENSION_NAME] = AppState(self, settings, store, cache, wakeups)
-        before, after, teardown = lifecycle.request_hooks(app.view_functions)
-        app.before_request(before)
-        app.after_request(after)
-        app.teardown_request(teardown)
+        lifecycle.install(app)
         app.add_template_global(forms.idempotency_key_field, "idempotency_key_field")  # C49
         got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
         if self._db is not None:

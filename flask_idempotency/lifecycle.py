@@ -1,30 +1,36 @@
-"""The request lifecycle: decide before the view, settle after it (CONTRACT §3).
+"""The request lifecycle: decide, run the view, settle (CONTRACT §3).
 
-before_request    parse key → scope + fingerprint → cache → durable claim
-                  → replay | 422 | park and re-check | own the record
-after_request     store the response (fenced) → promote → wake waiters,
-                  or release the claim
-teardown_request  release whatever an exception or abort() left behind (C15)
+A view marked ``@idempotent`` runs inside a wrapper that takes its place in
+``app.view_functions`` (:func:`protect_views`); the wrapper is the whole layer:
 
-Every request of the app passes through the three hooks; one to an unmarked view
-leaves at once (see :func:`request_hooks`), so it costs Flask's three hook calls
-and one lookup, nothing more (issue 11).
+decide   parse key → scope + fingerprint → cache → durable claim
+         → replay | 422 | park and re-check | own the record
+run      the view, as the owner (transactional mode: in a unit of work, C40)
+settle   the response Flask made of it, error handlers included and before the
+         app's ``after_request`` hooks: store it (fenced) → promote → wake
+         waiters, or release the claim; whatever ends the request unsettled
+         (an exception, an exit) releases it (C15)
+
+A request to any other view runs nothing of the layer: the one hook the extension
+registers wraps the marked views on the app's first request and then takes itself
+out (issue 11). Every ``before_request`` hook of the app has run before the layer
+decides, so a hook that rejects a request (CSRF, permissions) never claims a key,
+and the scope loader sees what those hooks loaded.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
-import inspect
 import logging
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from flask import Response, current_app, has_request_context, request
+from flask import Flask, Response, after_this_request, current_app, has_request_context, request
 
 from . import atomic, forms, heartbeat, signals
 from .config import TRANSIENT_STATUSES, EffectiveOptions, RouteOptions
@@ -50,24 +56,17 @@ _STORE_RETRY_AFTER = 3.0
 #: app context, which a request shares with the next one pushed inside it (a test under
 #: ``app.app_context()``, a sub-request made from a view), so state kept there leaks.
 _OWNERSHIP_KEY = "flask_idempotency.ownership"
-_UNPROTECTED_KEY = "flask_idempotency.unprotected"
-#: Set in a request's environ when the layer left state there that the after and teardown
-#: hooks must settle; counted in :data:`_PENDING`.
-_PENDING_KEY = "flask_idempotency.pending"
-#: How many requests in this context (thread, greenlet) carry state of the layer. While it
-#: is 0, the after and teardown hooks return at once: an unprotected request pays for
-#: nothing but three hook calls and one endpoint lookup (issue 11). A count, not a flag: a
-#: sub-request made from a protected view must not clear its parent's. It lives where
-#: Flask keeps the request itself (a context variable), so a hook never sees another
-#: context's count; at worst a stale count sends a hook down the full path, which reads
-#: the request's own environ and finds nothing.
-_PENDING: contextvars.ContextVar[int] = contextvars.ContextVar(_PENDING_KEY, default=0)
+#: Set on the wrapper that stands for a marked view in ``app.view_functions``.
+_PROTECTED_ATTR = "__idempotency_protected__"
+#: Handler methods a class-based view may carry ``@idempotent`` on.
+_HANDLER_NAMES = ("get", "post", "put", "patch", "delete", "head", "options", "trace")
 
 
 @dataclasses.dataclass
 class Ownership:
     """This request owns a record; it must end stored or released (C15)."""
 
+    state: AppState
     ident: Identity
     claim: Claim
     options: EffectiveOptions
@@ -75,8 +74,6 @@ class Ownership:
     release_requested: bool = False
     failed: bool = False
     settled: bool = False
-    #: Set by the view wrapper: only an outcome of the view itself is ever stored (R48).
-    view_started: bool = False
     #: Transactional mode: the view's transaction, begun once the view starts (C40, C43).
     unit: atomic.Unit | None = None
     #: The lease heartbeat's entry while the owner runs (C44).
@@ -102,62 +99,98 @@ def current_ownership() -> Ownership | None:
     return own
 
 
-# -- before the view ------------------------------------------------------------------
+# -- putting the layer in place -------------------------------------------------------
 
 
-def request_hooks(
-    views: dict[str, Callable[..., Any]],
-) -> tuple[Callable[[], Response | None], Callable[[Response], Response], Callable[..., None]]:
-    """The three Flask hooks for an app whose ``view_functions`` is ``views``.
+def install(app: Flask) -> None:
+    """Put the layer in front of ``app``'s marked views, at its first request.
 
-    Every request of the app passes through them, protected or not, so an
-    unprotected one must cost next to nothing: before the view, one lookup of the
-    endpoint's view and its mark; after it and at teardown, one context-variable
-    read (no request proxy, no ``current_app``). The full path runs only for a
-    request to a marked view, and, after it, only for a request that left state.
+    Only then is the app's set of views final (Flask refuses new routes after the
+    first request) and every ``@idempotent`` applied, in whichever order it was
+    stacked with the route decorator. The hook then removes itself, so later
+    requests to unmarked views never enter the layer.
     """
 
-    def before_request() -> Response | None:
-        rule = _current_request().url_rule  # the proxy's own lookup costs 4x as much
-        view = views.get(rule.endpoint) if rule is not None else None
-        if view is None or (
-            getattr(view, ROUTE_OPTIONS_ATTR, None) is None
-            and getattr(view, "view_class", None) is None
-        ):
-            return None
-        return _before_protected(view)
+    def protect_on_first_request() -> None:
+        protect_views(app)
+        hooks = app.before_request_funcs.get(None)
+        if hooks is not None and protect_on_first_request in hooks:
+            # A new list, not an edit: a concurrent first request may be iterating the old one.
+            app.before_request_funcs[None] = [h for h in hooks if h is not protect_on_first_request]
 
-    def after_request(response: Response) -> Response:
-        if not _PENDING.get():
-            return response
-        return _after(response)
+    app.before_request(protect_on_first_request)
 
-    def teardown_request(exc: BaseException | None = None) -> None:
-        if _PENDING.get():
-            _teardown(exc)
 
-    return before_request, after_request, teardown_request
+def protect_views(app: Flask) -> None:
+    """Replace each marked view of ``app`` by its protected wrapper (once; idempotent).
+
+    The mark sits on the registered view function, or, for a class-based view, on
+    one of its handler methods (``MethodView.post``). Racing callers both wrap the
+    registered original, so a view never ends up wrapped twice.
+    """
+    views = app.view_functions
+    for endpoint, view in list(views.items()):
+        if not getattr(view, _PROTECTED_ATTR, False) and _marked(view):
+            views[endpoint] = _protect(app, view)
+
+
+def _marked(view: Callable[..., Any]) -> bool:
+    if getattr(view, ROUTE_OPTIONS_ATTR, None) is not None:
+        return True
+    view_class = getattr(view, "view_class", None)
+    return view_class is not None and any(
+        getattr(getattr(view_class, name, None), ROUTE_OPTIONS_ATTR, None) is not None
+        for name in _HANDLER_NAMES
+    )
+
+
+def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
+    """The wrapper that stands for ``view``: decide, run the view as the owner, settle."""
+    state: AppState = app.extensions["idempotency"]
+    run_view = app.ensure_sync(view)  # a coroutine view runs as Flask would run it
+
+    @functools.wraps(view)
+    def protected(*args: Any, **kwargs: Any) -> Any:
+        req = _current_request()  # bound once: each read through the proxy is a context lookup
+        route = _route_options(view, req.method)
+        if route is not None:
+            decided = _decide_request(state, req, route)
+            if isinstance(decided, Ownership):
+                return _run_owner(decided, run_view, args, kwargs)
+            if decided is not None:
+                return decided  # the stored answer (C9)
+        return run_view(*args, **kwargs)
+
+    setattr(protected, _PROTECTED_ATTR, True)
+    return protected
 
 
 #: The request object itself, without the attribute proxying of ``request``.
 _current_request: Callable[[], Any] = request._get_current_object  # type: ignore[attr-defined]
 
 
-def _hold_state() -> None:
-    """Count this request as one the after and teardown hooks must look at."""
-    environ = _current_request().environ
-    if _PENDING_KEY not in environ:
-        environ[_PENDING_KEY] = True
-        _PENDING.set(_PENDING.get() + 1)
+def _route_options(view: Callable[..., Any], method: str) -> RouteOptions | None:
+    """The ``@idempotent`` options of ``view`` for ``method``, if protected."""
+    options: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
+    if options is None:
+        view_class = getattr(view, "view_class", None)
+        if view_class is not None:
+            handler = getattr(view_class, method.lower(), None)
+            options = getattr(handler, ROUTE_OPTIONS_ATTR, None)
+    return options
 
 
-def _before_protected(view: Callable[..., Any]) -> Response | None:
-    state: AppState = current_app.extensions["idempotency"]
-    req = _current_request()  # bound once: each read through the proxy is a context lookup
+# -- deciding --------------------------------------------------------------------------
+
+
+def _decide_request(state: AppState, req: Any, route: RouteOptions) -> Response | Ownership | None:
+    """What to do with a request to a protected view: the answer to send instead of
+    running the view, the ownership under which the view runs, or ``None`` to run it
+    without protection (no key, another method, a failed-open store).
+
+    Raises the layer's problems (400, 409, 422, 503).
+    """
     method = req.method
-    route = _route_options(view, method)
-    if route is None:
-        return None
     options = state.effective_options(route)
     if method not in options.methods:
         return None  # C1: a key on another method is ignored
@@ -169,10 +202,9 @@ def _before_protected(view: Callable[..., Any]) -> Response | None:
         # One environ look-up: a WSGI server joins repeated header lines into one value,
         # so a list can never hold more than it (``getlist`` would scan the whole environ).
         header = req.headers.get(settings.header)
-        headers = [header] if header is not None else []
         key = (
-            parse_key(headers, strict=settings.strict_header, max_length=settings.key_max_length)
-            if headers
+            parse_key([header], strict=settings.strict_header, max_length=settings.key_max_length)
+            if header is not None
             else forms.key_from_form(req, settings)  # C49: no header, maybe a form field
         )
     except InvalidKey as exc:
@@ -191,36 +223,26 @@ def _before_protected(view: Callable[..., Any]) -> Response | None:
     )
     decision = _Decision(state, ident, options, started)
     try:
-        return _decide(decision)
+        outcome = _decide(decision)
     except StoreError as exc:
         # The database is down: a cached record may still answer a replay (15.6).
         cached = state.cache.probe(ident.key_digest)
-        if cached is not None:
-            decision.source = "cache"
-            return _answer(decision, cached)
-        return _store_down(decision, exc)
+        if cached is None:
+            _store_down(decision, exc)  # 503, unless the app fails open
+            after_this_request(_mark_unprotected)
+            return None
+        decision.source = "cache"
+        outcome = cached
+    if isinstance(outcome, Claim):
+        return _own(decision, outcome, req)
+    return _answer(decision, outcome)
 
 
-def _route_options(view: Callable[..., Any], method: str) -> RouteOptions | None:
-    """The ``@idempotent`` options of ``view``, the view this request goes to, if protected.
-
-    The mark sits on the registered view function, or, for a class-based view,
-    on the handler method of the request's method (``MethodView.post``).
-    """
-    options: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
-    if options is None:
-        view_class = getattr(view, "view_class", None)
-        if view_class is not None:
-            handler = getattr(view_class, method.lower(), None)
-            options = getattr(handler, ROUTE_OPTIONS_ATTR, None)
-    return options
-
-
-def _decide(decision: _Decision) -> Response | None:
+def _decide(decision: _Decision) -> Claim | Completed | Record:
     outcome = _look_up(decision)
     if _in_flight(decision, outcome):
         outcome = _wait_for_original(decision, outcome)  # type: ignore[arg-type]
-    return _answer(decision, outcome)
+    return outcome
 
 
 def _look_up(decision: _Decision) -> Claim | Completed | Record:
@@ -271,10 +293,8 @@ def _wait_for_original(decision: _Decision, record: Record) -> Claim | Completed
     return outcome
 
 
-def _answer(decision: _Decision, outcome: Claim | Completed | Record) -> Response | None:
-    if isinstance(outcome, Claim):
-        _own(decision, outcome)
-        return None  # the view runs
+def _answer(decision: _Decision, outcome: Completed | Record) -> Response:
+    """The answer to a request that does not own the record: a replay, else a problem."""
     if outcome.fingerprint != decision.ident.fingerprint:
         _emit(signals.key_mismatch, decision)
         raise KeyReused(
@@ -297,74 +317,66 @@ def _answer(decision: _Decision, outcome: Claim | Completed | Record) -> Respons
     )  # C11
 
 
-def _own(decision: _Decision, claim: Claim) -> None:
+# -- running the view as the owner ---------------------------------------------------
+
+
+def _own(decision: _Decision, claim: Claim, req: Any) -> Ownership:
+    """Take up the claim: the request now owns the record until it settles (C15)."""
     if claim.how == "replaced":
         decision.state.cache.discard(decision.ident.key_digest)  # an old copy must not replay
     elif claim.how == "taken_over":
         _emit(signals.lease_taken_over, decision)
-    _track_view_start(request.endpoint)
-    _hold_state()
-    request.environ[_OWNERSHIP_KEY] = own = Ownership(
-        decision.ident, claim, decision.options, decision.started
-    )
-    _start_heartbeat(decision.state, own)
+    own = Ownership(decision.state, decision.ident, claim, decision.options, decision.started)
+    req.environ[_OWNERSHIP_KEY] = own
+    # The response Flask makes of the view (error handlers included) settles the claim,
+    # before the app's own after_request hooks, which run again on every replay.
+    after_this_request(functools.partial(_settle, own))
+    # Whatever ends the request without that (an exception Flask propagates, an exit)
+    # releases the claim when Flask closes the request.
+    req.close = _closing_unsettled(req.close, own)
+    _start_heartbeat(own)
     _emit(signals.request_executed, decision, how=claim.how)
+    return own
 
 
-def _track_view_start(endpoint: str | None) -> None:
-    """Make the endpoint's registered view record that it started (R48).
+def _run_owner(
+    own: Ownership, run_view: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    try:
+        if own.options.atomic:
+            return _run_atomic(own, run_view, args, kwargs)
+        return run_view(*args, **kwargs)
+    except Exception:
+        raise  # Flask answers it: the answer settles the claim (an error handler's 4xx is stored)
+    except BaseException:
+        _settle_unfinished(own, "exception")  # an exit, an interrupt: no answer will come
+        raise
 
-    A ``before_request`` hook that runs after ours (CSRF, permissions) may still
-    reject the request; its answer must not be stored under the key, because
-    the view never ran. The registered view is wrapped once, in place in
-    ``app.view_functions``, which covers every decorator order, class-based
-    views and blueprints alike.
-    """
-    views = current_app.view_functions
-    view = views.get(endpoint) if endpoint is not None else None
-    if view is None or getattr(view, _START_TRACKED_ATTR, False):
+
+def _closing_unsettled(close: Callable[[], None], own: Ownership) -> Callable[[], None]:
+    def close_request() -> None:
+        try:
+            if not own.settled:
+                failed = own.failed or sys.exc_info()[0] is not None
+                _settle_unfinished(own, "exception" if failed else "unfinished")
+        finally:
+            close()
+
+    return close_request
+
+
+def _settle_unfinished(own: Ownership, reason: str) -> None:
+    """Release a claim no response will settle (C15)."""
+    if own.settled:
         return
-    views[endpoint] = _start_tracking(view)  # type: ignore[index]
+    own.settled = True
+    _stop_heartbeat(own)
+    _release(own, reason, None)
 
 
-_START_TRACKED_ATTR = "__idempotency_start_tracked__"
-
-
-def _start_tracking(view: Callable[..., Any]) -> Callable[..., Any]:
-    def started() -> Ownership | None:
-        own = current_ownership()
-        if own is not None:
-            own.view_started = True
-        return own
-
-    if inspect.iscoroutinefunction(view):
-
-        @functools.wraps(view)
-        async def tracked_async(*args: Any, **kwargs: Any) -> Any:
-            own = started()
-            if own is not None and own.options.atomic:
-                try:  # no re-runs: a coroutine view runs once
-                    refused = _begin_unit(own)
-                except atomic.Retryable as exc:
-                    own.unit.rollback()  # type: ignore[union-attr]
-                    return _out_of_retries(own, 1, exc.sqlstate)
-                if refused is not None:
-                    return refused
-            return await view(*args, **kwargs)
-
-        tracked: Callable[..., Any] = tracked_async
-    else:
-
-        @functools.wraps(view)
-        def tracked_sync(*args: Any, **kwargs: Any) -> Any:
-            own = started()
-            if own is not None and own.options.atomic:
-                return _run_atomic(own, view, args, kwargs)
-            return view(*args, **kwargs)
-
-        tracked = tracked_sync
-    setattr(tracked, _START_TRACKED_ATTR, True)
-    return tracked
+def _mark_unprotected(response: Response) -> Response:
+    response.headers[UNPROTECTED_HEADER] = "store-unavailable"
+    return response
 
 
 class ThrottledLog:
@@ -393,7 +405,8 @@ class ThrottledLog:
         log.warning(message, *args)
 
 
-def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
+def _store_down(decision: _Decision, exc: StoreError) -> None:
+    """Answer 503 for a store that cannot claim; return only when the app fails open (C25)."""
     settings = decision.state.settings
     if isinstance(exc, StoreMisconfigured):  # a deployment error: never fail open for it (C45)
         log.error("idempotency: %s", exc)
@@ -409,9 +422,7 @@ def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
     )
     _emit(signals.store_error, decision, tier="database", error=str(exc), action="claim")
     if settings.fail_open:
-        _hold_state()
-        request.environ[_UNPROTECTED_KEY] = True
-        return None
+        return
     raise StoreUnavailable(
         "The idempotency store is unavailable, so the request was not processed."
         " Retry later with the same key.",
@@ -419,15 +430,12 @@ def _store_down(decision: _Decision, exc: StoreError) -> Response | None:
     )  # C25
 
 
-# -- after the view --------------------------------------------------------------------
+# -- settling ------------------------------------------------------------------------
 
 
-def _after(response: Response) -> Response:
-    environ = _current_request().environ
-    if environ.pop(_UNPROTECTED_KEY, False):
-        response.headers[UNPROTECTED_HEADER] = "store-unavailable"
-    own: Ownership | None = environ.get(_OWNERSHIP_KEY)
-    if own is None or own.settled:
+def _settle(own: Ownership, response: Response) -> Response:
+    """Store the owner's answer, or release its claim (C15-C19); the response goes on."""
+    if own.settled:
         return response
     own.settled = True
     _stop_heartbeat(own)
@@ -439,9 +447,7 @@ def _after(response: Response) -> Response:
 
 
 def _release_reason(own: Ownership, status: int) -> str | None:
-    """Why this outcome must not be stored, or ``None`` to store it (C16–C19, R48)."""
-    if not own.view_started:
-        return "view-not-run"
+    """Why this outcome must not be stored, or ``None`` to store it (C16–C19)."""
     if own.release_requested:
         return "view"
     if own.failed:
@@ -455,7 +461,7 @@ def _release_reason(own: Ownership, status: int) -> str | None:
 
 def _store(own: Ownership, response: Response) -> Response:
     """Complete the record with ``response``; the answer the client gets (C14, C23, C40)."""
-    state: AppState = current_app.extensions["idempotency"]
+    state = own.state
     digest = own.ident.key_digest
     if own.options.atomic:
         return _store_atomic(own, response)
@@ -507,7 +513,7 @@ def _store_atomic(own: Ownership, response: Response, *, retry: bool = False) ->
     failure or deadlock propagates as :class:`atomic.Retryable` for the caller to
     run the view again; without, it is answered like any failed commit.
     """
-    state: AppState = current_app.extensions["idempotency"]
+    state = own.state
     try:
         stored = capture(response, state.settings)
     except Exception:
@@ -535,7 +541,7 @@ def _store_atomic(own: Ownership, response: Response, *, retry: bool = False) ->
 
 def _begin_unit(own: Ownership) -> Response | None:
     """Begin the view's transaction after the claim (C43); an answer if it cannot run."""
-    state: AppState = current_app.extensions["idempotency"]
+    state = own.state
     if own.unit is None:
         own.unit = atomic.Unit(state.require_db(), state.store, own.claim, own.options.isolation)
     try:
@@ -574,7 +580,7 @@ def _run_atomic(
                 _resume_heartbeat(own)  # a row lock, where taken, holds the key instead
             response = current_app.make_response(view(*args, **kwargs))
             if _release_reason(own, response.status_code) is not None:
-                return response  # after_request releases it, rolling the writes back
+                return response  # settling releases it, rolling the writes back
             own.settled = True
             _hold_heartbeat(own)
             return _store_atomic(own, response, retry=True)
@@ -633,7 +639,7 @@ def _atomic_store_failed(
 
 def _completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> None:
     """After the durable commit: promote to the cache, then wake the waiters (C23)."""
-    state: AppState = current_app.extensions["idempotency"]
+    state = own.state
     digest = own.ident.key_digest
     state.announce_completed(digest, Completed(own.ident.fingerprint, expires_at_ms, stored))
     _emit_owned(
@@ -641,28 +647,9 @@ def _completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> No
     )
 
 
-def _teardown(exc: BaseException | None) -> None:
-    """Release a claim the response path never settled: an exception propagated (C15).
-
-    The request's state is dropped here whatever happens, so nothing of it is seen
-    by a later request or by code running after the request ended.
-    """
-    environ = _current_request().environ
-    if environ.pop(_PENDING_KEY, False):
-        _PENDING.set(max(0, _PENDING.get() - 1))
-    own: Ownership | None = environ.pop(_OWNERSHIP_KEY, None)
-    environ.pop(_UNPROTECTED_KEY, None)
-    if own is None:
-        return
-    _stop_heartbeat(own)
-    if own.settled:
-        return
-    own.settled = True
-    _release(own, "exception" if exc is not None else "unfinished", None)
-
-
 def mark_failed(sender: Any, exception: BaseException, **extra: Any) -> None:
-    """``got_request_exception`` receiver: an uncaught exception always releases (C17)."""
+    """``got_request_exception`` receiver: an uncaught exception always releases (C17),
+    even where a 5xx answer would be stored (``store_server_errors``)."""
     own = current_ownership()
     if own is not None:
         own.failed = True
@@ -670,7 +657,7 @@ def mark_failed(sender: Any, exception: BaseException, **extra: Any) -> None:
 
 def _release(own: Ownership, reason: str, status: int | None) -> bool:
     """Give the key back; ``False`` when it was no longer ours (taken over)."""
-    state: AppState = current_app.extensions["idempotency"]
+    state = own.state
     digest = own.ident.key_digest
     if own.options.atomic:
         atomic.abandon(state.require_db())  # nothing the view wrote survives a release
@@ -688,8 +675,9 @@ def _release(own: Ownership, reason: str, status: int | None) -> bool:
     return True
 
 
-def _start_heartbeat(state: AppState, own: Ownership) -> None:
+def _start_heartbeat(own: Ownership) -> None:
     """Renew the owner's lease while its view runs (C44), unless the app turned it off."""
+    state = own.state
     if not state.settings.heartbeat:
         return
     app = current_app._get_current_object()  # type: ignore[attr-defined]

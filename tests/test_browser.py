@@ -68,7 +68,7 @@ def checkout_server(pg_url: Any, pg_table: str) -> Iterator[dict[str, Any]]:
     inner = app.wsgi_app
 
     def count_posts(environ: dict[str, Any], start_response: Any) -> Any:
-        # Outside Flask: a replay answers in a before_request hook, before any later hook.
+        # Outside Flask: every POST that reaches the app counts, replays included.
         if environ["REQUEST_METHOD"] == "POST":
             seen["posts"].append(environ["PATH_INFO"])
         return inner(environ, start_response)

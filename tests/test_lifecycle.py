@@ -400,8 +400,9 @@ def test_c9_replay_status_body_and_allow_listed_headers(app_calls) -> None:
 
 
 def test_c9_compressed_body_replays_with_its_content_encoding(app_calls) -> None:
-    """A compression hook registered after init_app runs before the layer's after_request:
-    the stored bytes are gzip, so the replay must say so or the client gets garbage."""
+    """A compression hook in after_request: the layer stores the view's own response and
+    the hook compresses the first answer and the replay alike, so both carry the same
+    gzip bytes with their Content-Encoding (the hook runs once on each, never twice)."""
     app, _, calls = app_calls
 
     @app.after_request
