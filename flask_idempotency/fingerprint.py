@@ -18,6 +18,8 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from flask import Request, current_app
+from werkzeug.local import LocalProxy
+from werkzeug.wsgi import LimitedStream
 
 #: Bumped whenever the canonical form changes, so old records never match by accident.
 FINGERPRINT_VERSION = b"fp1"
@@ -38,11 +40,47 @@ _FORM_MIMETYPES = {
 }
 #: What ``json.dumps(ensure_ascii=False)`` does to one string (quotes included).
 _JSON_STRING: Callable[[str], str] = json.encoder.encode_basestring
+#: A decoder as ``json.loads`` uses when given no options, and its scanner: one value
+#: from a position, as ``(value, end)``.
+_JSON_DECODER = json.JSONDecoder()
+_scan_json: Callable[[str, int], tuple[Any, int]] = _JSON_DECODER.scan_once  # type: ignore[attr-defined]
+
+
+def _frame(part: bytes) -> bytes:
+    """One part of a digest's input: its length (8 bytes, big-endian), then the part."""
+    return len(part).to_bytes(8, "big") + part
+
+
+_KEY_DIGEST_HEAD = _frame(b"key1")
+_FINGERPRINT_HEAD = _frame(FINGERPRINT_VERSION)
+#: The framed URL values and query of a request that has neither (``{}`` and ``[]``).
+_NO_ARGS = _frame(b"{}") + _frame(b"[]")
+#: The body part is always a SHA-256 digest: its frame's length prefix is a constant.
+_BODY_DIGEST_LENGTH = (32).to_bytes(8, "big")
+#: Framed version, method and rule per (method, rule) of the app's routes; a route's
+#: fingerprint then costs one look-up for them. Bounded: only matched rules go in.
+_HEADS: dict[tuple[str, str], bytes] = {}
+_HEADS_MAX = 4096
+#: ``Request.mimetype`` per ``Content-Type`` value (a pure function of it), bounded.
+_MIMETYPES: dict[str, str] = {}
+_MIMETYPES_MAX = 256
 
 
 def key_digest(scope: str, key: str) -> str:
     """The name of a record everywhere outside the request: database, Redis, logs (C22, C30)."""
-    return _digest(b"key1", scope.encode("utf-8"), key.encode("utf-8"))
+    scope_bytes = scope.encode("utf-8")
+    key_bytes = key.encode("utf-8")
+    return hashlib.sha256(
+        b"".join(
+            (
+                _KEY_DIGEST_HEAD,
+                len(scope_bytes).to_bytes(8, "big"),
+                scope_bytes,
+                len(key_bytes).to_bytes(8, "big"),
+                key_bytes,
+            )
+        )
+    ).hexdigest()
 
 
 def default_scope(request: Request) -> str:
@@ -85,32 +123,94 @@ def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozense
 
     ``omit_fields``: form fields that say nothing about the request itself (the
     form's idempotency key and CSRF token, C49), left out of a form body.
+
+    The digest's input is the framed parts (see :func:`_digest`) of the version,
+    the method, the rule, the URL values as JSON, the sorted query as JSON and the
+    body's own SHA-256. Every replay computes it, so the parts that are the same
+    for a route are framed once (issue 11); the bytes are what they always were.
     """
-    request = _unproxied(request)
-    rule = request.url_rule.rule if request.url_rule is not None else request.path
-    # The common cases (no URL values, no query string) skip the encoder: "{}" and "[]"
-    # are exactly what it would produce for them.
-    view_args = _VIEW_ARGS_JSON.encode(request.view_args) if request.view_args else "{}"
-    if request.query_string:
-        query = _COMPACT_JSON.encode(sorted(request.args.items(multi=True)))
-    else:
-        query = "[]"
+    if isinstance(request, LocalProxy):
+        request = request._get_current_object()
+    method = request.method
+    url_rule = request.url_rule
+    view_args = request.view_args
+    query_string = request.query_string
     body = hashlib.sha256()
     _hash_body(request, body, omit_fields)
-    return _digest(
-        FINGERPRINT_VERSION,
-        request.method.encode("ascii"),
-        rule.encode("utf-8"),
-        view_args.encode("utf-8"),
-        query.encode("utf-8"),
-        body.digest(),
-    )
+    if url_rule is None:
+        head = _head(method, request.path)  # the client's path: never kept
+    else:
+        head = _HEADS.get((method, url_rule.rule)) or _remember_head(method, url_rule.rule)
+    if not view_args and not query_string:
+        args = _NO_ARGS  # what the two encoders give for no values and no query
+    else:
+        values = _VIEW_ARGS_JSON.encode(view_args) if view_args else "{}"
+        query = (
+            _COMPACT_JSON.encode(sorted(request.args.items(multi=True))) if query_string else "[]"
+        )
+        args = _frame(values.encode("utf-8")) + _frame(query.encode("utf-8"))
+    return hashlib.sha256(b"".join((head, args, _BODY_DIGEST_LENGTH, body.digest()))).hexdigest()
+
+
+def _head(method: str, rule: str) -> bytes:
+    return _FINGERPRINT_HEAD + _frame(method.encode("ascii")) + _frame(rule.encode("utf-8"))
+
+
+def _remember_head(method: str, rule: str) -> bytes:
+    head = _head(method, rule)
+    if len(_HEADS) < _HEADS_MAX:
+        _HEADS[method, rule] = head
+    return head
+
+
+def _mimetype(request: Request) -> str:
+    """``request.mimetype``, which parses ``Content-Type`` again on every read.
+
+    Werkzeug derives it from the ``Content-Type`` value alone, so it is remembered
+    per value (the few an app sees; a bounded number of them).
+    """
+    content_type = request.environ.get("CONTENT_TYPE", "")
+    mimetype = _MIMETYPES.get(content_type) if type(content_type) is str else None
+    if mimetype is None:
+        mimetype = request.mimetype
+        if type(content_type) is str and len(_MIMETYPES) < _MIMETYPES_MAX:
+            _MIMETYPES[content_type] = mimetype
+    return mimetype
+
+
+def _read_body(request: Request) -> bytes:
+    """``request.get_data(cache=True)``, without its 64 KiB scratch buffer for a small body.
+
+    The body comes through Werkzeug's guarded stream all the same (``MAX_CONTENT_LENGTH``
+    and ``Content-Length`` apply, C31) and is cached where ``get_data`` caches it, so
+    the view's ``get_json()`` reuses this one copy. Werkzeug's ``readall`` reads into
+    a fresh 64 KiB buffer even for a 60-byte body; read up to ``Content-Length`` here.
+    """
+    cached: bytes | None = getattr(request, "_cached_data", None)
+    if cached is not None:
+        return cached
+    stream = request.stream
+    if not isinstance(stream, LimitedStream) or "wsgi.input_terminated" in request.environ:
+        return request.get_data(cache=True)  # no Content-Length to read up to
+    # Content-Length (never above the app's limit: Werkzeug answered 413 for that);
+    # a body that ends early raises ClientDisconnected, as in get_data.
+    remaining = stream.limit - stream.tell()
+    chunks = []
+    while remaining > 0:
+        chunk = stream.read(min(remaining, _CHUNK))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    request._cached_data = data  # where get_data caches it
+    return data
 
 
 def _hash_body(request: Request, body: Any, omit_fields: frozenset[str] = frozenset()) -> None:
-    mimetype = request.mimetype
+    mimetype = _mimetype(request)
     if mimetype == "application/json" or mimetype.endswith("+json"):
-        data = request.get_data(cache=True)
+        data = _read_body(request)
         canonical = _canonical_json(data)
         body.update(b"json:" if canonical is not None else b"raw:")
         body.update(canonical if canonical is not None else data)
@@ -135,13 +235,61 @@ def _canonical_json(data: bytes) -> bytes | None:
     answer: the idempotency layer never turns a client's bad JSON into a 500.
     """
     try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        value = _loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError, StopIteration):
         return None
     try:
-        return _CANONICAL_JSON.encode(value).encode("utf-8")
-    except (ValueError, RecursionError):  # pragma: no cover - loads() output always dumps
+        return _dump_canonical(value).encode("utf-8")
+    except (ValueError, RecursionError):  # a lone surrogate ("\ud800") has no UTF-8
         return None
+
+
+def _loads(data: bytes) -> Any:
+    """``json.loads(data)``, with its encoding detection and whitespace scan skipped
+    for the common body: UTF-8 that starts with ``{`` or ``[`` and ends at the value.
+
+    Every other body goes through ``json.loads`` itself, so the value (or the error)
+    is always the one ``json.loads`` gives.
+    """
+    if len(data) >= 2 and data[0] in (0x7B, 0x5B) and data[1]:  # ``{`` or ``[``, not UTF-16/32
+        text = data.decode("utf-8", "surrogatepass")  # json.detect_encoding() says UTF-8
+        value, end = _scan_json(text, 0)
+        if end == len(text):
+            return value
+        return _JSON_DECODER.decode(text)  # trailing whitespace, or not JSON after all
+    return json.loads(data)
+
+
+def _canonical_encoder() -> Callable[[Any], str]:
+    """``_CANONICAL_JSON.encode`` as one call into the C encoder, built once.
+
+    ``JSONEncoder.encode`` builds a C encoder per call, with a dict to detect cycles;
+    ``json.loads`` output has none, so one encoder without it serves every call (it
+    keeps no state between calls). Falls back to ``encode`` where the C encoder is
+    missing or gives anything else for a probe.
+    """
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython always has it
+        return _CANONICAL_JSON.encode
+
+    def no_default(value: Any) -> Any:  # pragma: no cover - loads() output never needs it
+        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+    try:
+        encoder = make(None, no_default, _JSON_STRING, None, ":", ",", True, False, True)
+
+        def encode(value: Any) -> str:
+            return "".join(encoder(value, 0))
+
+        probe = {"b": [1.5, -0.0, 1e300, float("nan"), 'é\u2028"\n'], "a": {"y": None, "x": True}}
+        if encode(probe) != _CANONICAL_JSON.encode(probe):  # pragma: no cover
+            return _CANONICAL_JSON.encode
+    except Exception:  # pragma: no cover - a future signature: keep the public path
+        return _CANONICAL_JSON.encode
+    return encode
+
+
+_dump_canonical = _canonical_encoder()
 
 
 def _hash_fields(request: Request, body: Any, omit: frozenset[str], *, with_files: bool) -> None:

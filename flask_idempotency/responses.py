@@ -9,10 +9,12 @@ A streamed response is buffered up to that limit and then streams on (C32).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 from flask import Response
+from werkzeug.datastructures import Headers
 
 from .config import Settings
 from .records import Completed, StoredResponse
@@ -29,14 +31,19 @@ BODY_HEADERS = frozenset({"content-encoding"})
 
 def capture(response: Response, settings: Settings) -> StoredResponse:
     """What to store of ``response``; buffers a streamed body up to the limit."""
+    kept = settings.replay_headers
     headers = tuple(
         (name, value)
-        for name, value in response.headers.items()
-        if name.lower() in settings.replay_headers or name.lower() in BODY_HEADERS
+        for name, value in response.headers  # the pairs themselves: items() is a generator
+        if (lower := name.lower()) in kept or lower in BODY_HEADERS
     )
     limit = settings.max_body_bytes
     if response.is_sequence:
-        body = response.get_data()
+        sequence = response.response
+        if len(sequence) == 1 and type(sequence[0]) is bytes:  # type: ignore[arg-type,index]
+            body = sequence[0]  # type: ignore[index]  # what get_data() gives, without the join
+        else:
+            body = response.get_data()
         if len(body) > limit:
             return StoredResponse(response.status_code, headers, b"", body_omitted=True)
         return StoredResponse(response.status_code, headers, body)
@@ -96,13 +103,41 @@ class _Resumed:
         _close(self._source)
 
 
+class ReplayedResponse(Response):
+    """A replayed response: it carries the stored ``Content-Type`` or none, never a default."""
+
+    default_mimetype = None
+
+
 def replay(completed: Completed, settings: Settings) -> Response:
-    """The stored response again: same status, same bytes, the stored headers (C9)."""
+    """The stored response again: same status, same bytes, the stored headers (C9).
+
+    Built in one pass, as every replay pays for it (issue 11): the stored headers
+    and the ones added here set on a ``Headers`` in one assignment (which still
+    refuses a value with a newline), the body as the response's one chunk, as
+    ``set_data`` would set it.
+    """
     stored = completed.response
-    response = Response(stored.body, status=stored.status, headers=list(stored.headers))
-    if not any(name.lower() == "content-type" for name, _ in stored.headers):
-        del response.headers["Content-Type"]
-    response.headers[settings.replay_header] = "true"
+    body = stored.body
+    added = [("Content-Length", str(len(body))), (settings.replay_header, "true")]
     if stored.body_omitted:
-        response.headers[BODY_OMITTED_HEADER] = BODY_OMITTED_VALUE
+        added.append((BODY_OMITTED_HEADER, BODY_OMITTED_VALUE))
+    headers = Headers()
+    added_names = _added_names(settings.replay_header)
+    for name, _ in stored.headers:
+        if name.lower() in added_names:  # an allow-list naming Idempotent-Replayed, say
+            headers[:] = stored.headers
+            for added_name, value in added:
+                headers[added_name] = value  # replaces the stored header of that name
+            break
+    else:
+        headers[:] = [*stored.headers, *added]
+    response = ReplayedResponse(status=stored.status, headers=headers)
+    response.response = [body]
     return response
+
+
+@functools.lru_cache(maxsize=8)
+def _added_names(replay_header: str) -> frozenset[str]:
+    """The names of the headers a replay adds, lower-cased."""
+    return frozenset({"content-length", replay_header.lower(), BODY_OMITTED_HEADER.lower()})

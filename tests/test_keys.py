@@ -8,11 +8,15 @@ retry runs it again; a client that sent a key is told instead that it is broken.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from flask import jsonify
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flask_idempotency import idempotent
-from flask_idempotency.keys import InvalidKey, parse_key
+from flask_idempotency.keys import InvalidKey, _parse_field, parse_key
 
 UUID = "8e03978e-40d5-43e8-bc93-6894a57f9324"
 
@@ -560,3 +564,45 @@ def test_i9_7_c2_c3_strict_header_bare_key_is_400_and_the_view_never_runs(
     assert quoted.status_code == again.status_code == 201
     assert again.headers["Idempotent-Replayed"] == "true"
     assert calls == ["pay"]
+
+
+# -- the two regular expressions agree with the parser (issue 11) ------------------------
+
+#: Characters that matter to the parser, and a few that it must refuse.
+_FIELD_CHARS = st.sampled_from(list('abcXYZ019-_.*~!#%/:=?@"\\,; \t()\x00\x7f\u00e9\u20ac'))
+
+
+def _by_the_parser(field: str, *, strict: bool, max_length: int) -> str:
+    """What ``parse_key`` answered before its fast paths: the character-by-character parser."""
+    key = _parse_field(field.strip(" \t"), strict=strict)
+    if len(key) > max_length:
+        raise InvalidKey(f"The Idempotency-Key is longer than {max_length} characters.")
+    return key
+
+
+def _answer(parse: Any, field: str, **options: Any) -> tuple[str, str]:
+    try:
+        return "key", parse(field, **options)
+    except InvalidKey as exc:
+        return "invalid", str(exc)
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    field=st.one_of(
+        st.text(_FIELD_CHARS, max_size=12),
+        st.text(_FIELD_CHARS, max_size=12).map(lambda text: f'"{text}"'),
+        st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=12).map(
+            lambda text: f'"{text}"'
+        ),
+    ),
+    strict=st.booleans(),
+    max_length=st.integers(1, 12),
+)
+def test_c2_c3_parse_key_answers_what_the_parser_answers(
+    field: str, strict: bool, max_length: int
+) -> None:
+    """Same key or the same error message, for any field, in both modes."""
+    options = {"strict": strict, "max_length": max_length}
+    fast = _answer(lambda value, **kw: parse_key([value], **kw), field, **options)
+    assert fast == _answer(_by_the_parser, field, **options)

@@ -1,6 +1,6 @@
 """Property tests (Hypothesis): header parsing, fingerprint invariance, exact replay.
 
-CONTRACT C2, C3, C6, C9.
+CONTRACT C2, C3, C6, C9, C33.
 
 Fingerprints are computed on real Flask requests; replay goes through a real app
 and the SQLite store. ``max_examples`` is moderate and there is no deadline, so
@@ -21,11 +21,18 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from flask_idempotency import Idempotency, idempotent
-from flask_idempotency.config import TRANSIENT_STATUSES
+from flask_idempotency.config import TRANSIENT_STATUSES, Settings
 from flask_idempotency.extension import create_store_engine
 from flask_idempotency.fingerprint import key_digest, request_fingerprint
 from flask_idempotency.keys import InvalidKey, parse_key
 from flask_idempotency.records import Claim, Completed, Identity, Record, StoredResponse
+from flask_idempotency.responses import (
+    BODY_HEADERS,
+    BODY_OMITTED_HEADER,
+    BODY_OMITTED_VALUE,
+    capture,
+    replay,
+)
 from flask_idempotency.store import DurableStore
 
 PROPERTY_SETTINGS = settings(
@@ -327,6 +334,93 @@ def test_c9_replay_is_byte_identical(replay_app, body: bytes, status: int, mimet
     assert "Idempotent-Replayed" not in first.headers
     assert replay.headers.get("Content-Type") == first.headers.get("Content-Type")
     assert calls.count(key) == 1
+
+
+def frozen_replay(completed: Completed, settings_: Settings) -> Response:
+    """``responses.replay`` as it was before issue 11 (one Response, then header sets)."""
+    stored = completed.response
+    response = Response(stored.body, status=stored.status, headers=list(stored.headers))
+    if not any(name.lower() == "content-type" for name, _ in stored.headers):
+        del response.headers["Content-Type"]
+    response.headers[settings_.replay_header] = "true"
+    if stored.body_omitted:
+        response.headers[BODY_OMITTED_HEADER] = BODY_OMITTED_VALUE
+    return response
+
+
+#: Header names a replay meets, some of them the names a replay adds itself.
+REPLAY_HEADER_NAMES = st.sampled_from(
+    [
+        "Content-Type",
+        "content-type",
+        "Location",
+        "ETag",
+        "Content-Language",
+        "Content-Encoding",
+        "Idempotent-Replayed",
+        "idempotency-replay",
+        "Content-Length",
+        "X-Replayed",
+    ]
+)
+HEADER_VALUES = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=12)
+
+
+@PROPERTY_SETTINGS
+@given(
+    body=st.binary(max_size=512),
+    status=st.sampled_from([200, 201, 204, 299, 302, 404, 422, 500]),
+    headers=st.lists(st.tuples(REPLAY_HEADER_NAMES, HEADER_VALUES), max_size=4),
+    omitted=st.booleans(),
+    replay_header=st.sampled_from(["Idempotent-Replayed", "X-Replayed"]),
+)
+def test_c9_c33_replay_builds_what_it_always_built(
+    body: bytes,
+    status: int,
+    headers: list[tuple[str, str]],
+    omitted: bool,
+    replay_header: str,
+) -> None:
+    """Status, headers in order, body: as before issue 11, also when a stored header has
+    the name of one the replay adds (the added one replaces it where it stood)."""
+    stored = StoredResponse(status, tuple(headers), b"" if omitted else body, omitted)
+    completed = Completed("f" * 64, 0, stored)
+    options = Settings(replay_header=replay_header)
+    new, old = replay(completed, options), frozen_replay(completed, options)
+    assert isinstance(new, Response)
+    assert (new.status, list(new.headers), new.get_data()) == (
+        old.status,
+        list(old.headers),
+        old.get_data(),
+    )
+
+
+def frozen_capture(response: Response, settings_: Settings) -> StoredResponse:
+    """``responses.capture`` before issue 11, for a body held as a sequence."""
+    headers = tuple(
+        (name, value)
+        for name, value in response.headers.items()
+        if name.lower() in settings_.replay_headers or name.lower() in BODY_HEADERS
+    )
+    body = response.get_data()
+    if len(body) > settings_.max_body_bytes:
+        return StoredResponse(response.status_code, headers, b"", body_omitted=True)
+    return StoredResponse(response.status_code, headers, body)
+
+
+@PROPERTY_SETTINGS
+@given(
+    chunks=st.lists(st.one_of(st.binary(max_size=64), st.text(max_size=16)), max_size=3),
+    headers=st.lists(st.tuples(REPLAY_HEADER_NAMES, HEADER_VALUES), max_size=4),
+    limit=st.integers(1, 100),
+)
+def test_c9_c33_capture_stores_what_it_always_stored(
+    chunks: list[bytes | str], headers: list[tuple[str, str]], limit: int
+) -> None:
+    options = Settings(max_body_bytes=limit)
+    first = Response(list(chunks), status=201, headers=headers)
+    second = Response(list(chunks), status=201, headers=headers)
+    assert capture(first, options) == frozen_capture(second, options)
 
 
 @PROPERTY_SETTINGS

@@ -1,0 +1,380 @@
+"""The fingerprint's bytes never change (C5, C6, C31).
+
+Stored records are compared with the fingerprint a retry computes, so a faster
+implementation must give exactly the bytes the old one gave, for every request.
+``frozen_request_fingerprint`` below is the implementation of 2026-11-24 before
+issue 11's rewrite, kept verbatim in its logic (the form fields as the one JSON
+text the piecewise hashing reproduces): Hypothesis compares the two over generated
+requests, and fixed vectors pin both to digests computed by the old code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+from typing import Any
+from urllib.parse import urlencode
+
+import pytest
+from flask import Flask, Request, request
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
+from werkzeug.test import EnvironBuilder
+
+from flask_idempotency.fingerprint import key_digest, request_fingerprint
+
+OMIT = frozenset({"_idempotency_key", "csrf_token"})
+
+# -- the frozen copy ---------------------------------------------------------------------
+
+
+def _frozen_digest(*parts: bytes) -> str:
+    framed = b"".join(len(part).to_bytes(8, "big") + part for part in parts)
+    return hashlib.sha256(framed).hexdigest()
+
+
+def frozen_key_digest(scope: str, key: str) -> str:
+    return _frozen_digest(b"key1", scope.encode("utf-8"), key.encode("utf-8"))
+
+
+def _frozen_canonical_json(data: bytes) -> bytes | None:
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    try:
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True
+        ).encode("utf-8")
+    except (ValueError, RecursionError):
+        return None
+
+
+def _frozen_form(req: Request, omit: frozenset[str], *, with_files: bool) -> bytes:
+    fields: list[list[str]] = [["f", k, v] for k, v in req.form.items(multi=True) if k not in omit]
+    if with_files:
+        for name, upload in req.files.items(multi=True):
+            content = hashlib.sha256(upload.stream.read()).hexdigest()
+            upload.stream.seek(0)
+            fields.append(["file", name, upload.filename or "", upload.mimetype, content])
+    fields.sort()
+    return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def frozen_request_fingerprint(req: Request, omit_fields: frozenset[str] = frozenset()) -> str:
+    rule = req.url_rule.rule if req.url_rule is not None else req.path
+    view_args = json.dumps(req.view_args, sort_keys=True, default=str) if req.view_args else "{}"
+    if req.query_string:
+        query = json.dumps(sorted(req.args.items(multi=True)), separators=(",", ":"))
+    else:
+        query = "[]"
+    body = hashlib.sha256()
+    mimetype = req.mimetype
+    if mimetype == "application/json" or mimetype.endswith("+json"):
+        data = req.get_data(cache=True)
+        canonical = _frozen_canonical_json(data)
+        body.update(b"json:" if canonical is not None else b"raw:")
+        body.update(canonical if canonical is not None else data)
+    elif mimetype == "application/x-www-form-urlencoded":
+        body.update(b"form:" + _frozen_form(req, omit_fields, with_files=False))
+    elif mimetype == "multipart/form-data":
+        body.update(b"multipart:" + _frozen_form(req, omit_fields, with_files=True))
+    else:
+        body.update(b"raw:" + req.get_data(cache=True))
+    return _frozen_digest(
+        b"fp1",
+        req.method.encode("ascii"),
+        rule.encode("utf-8"),
+        view_args.encode("utf-8"),
+        query.encode("utf-8"),
+        body.digest(),
+    )
+
+
+# -- requests ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def app() -> Flask:
+    app = Flask("fingerprint_frozen")
+
+    @app.route("/pay", methods=["POST", "PATCH"])
+    def pay():
+        return ""
+
+    @app.post("/items/<int:item_id>")
+    def item(item_id: int):
+        return ""
+
+    @app.post("/files/<path:name>")
+    def files(name: str):
+        return ""
+
+    return app
+
+
+def both(app: Flask, path: str, method: str = "POST", **kwargs: Any) -> tuple[str, str]:
+    """(today's, frozen) fingerprint of the same request, each in a context of its own."""
+    out = []
+    for compute in (request_fingerprint, frozen_request_fingerprint):
+        with app.test_request_context(path, method=method, **kwargs):
+            out.append(compute(request, OMIT))
+    return out[0], out[1]
+
+
+GOLDEN = [
+    (
+        "/pay",
+        "POST",
+        {
+            "data": b'{"amount_cents": 1999, "currency": "EUR", "customer": "cus_42"}',
+            "content_type": "application/json",
+        },
+        "3169d76f50980b0544cdd2886edc409928031e6ccefc6a584624636761372be2",
+    ),
+    (
+        "/pay?b=2&a=1&a=0",
+        "PATCH",
+        {
+            "data": b' {"z":[1,2.5,null,true],"a":"\\u00e9"} \n',
+            "content_type": "application/merge-patch+json",
+        },
+        "8e01901ce791e3b3048622f19ec6ced9747871e25e34f1f3253746bb9271a992",
+    ),
+    (
+        "/items/7",
+        "POST",
+        {"data": b"{not json", "content_type": "application/json; charset=utf-8"},
+        "535849dded5a07908911ac024fc5864cf53826ffa0b424972ac74fcc0d09a86d",
+    ),
+    (
+        "/items/7",
+        "POST",
+        {"data": '{"a":"é"}'.encode("utf-16"), "content_type": "application/json"},
+        "eebd82b6ce9e00dc91b6bffc1171043c3b08880df59bda4cba261ed6a94f39de",
+    ),
+    (
+        "/pay",
+        "POST",
+        {"data": bytes(range(256)), "content_type": "application/octet-stream"},
+        "6bf50749bbde0c6e606374e76d8f4f320f60e296b8b6eac146c1847345491989",
+    ),
+    (
+        "/pay",
+        "POST",
+        {"data": {"b": "2", "a": "1", "_idempotency_key": "k"}},
+        "9e7a824ea465682a91e3888aa2a99c71897ce8e0db67ae8960c4944a4b087e3f",
+    ),
+    (
+        "/nowhere",
+        "POST",
+        {"data": b"[1,2]", "content_type": "application/json"},
+        "35567820055291dd1340e419ae89878e56f85676b1ba163cc40ec8b6612a2508",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "method", "kwargs", "expected"), GOLDEN)
+def test_c6_fingerprints_are_the_digests_stored_records_hold(
+    app: Flask, path: str, method: str, kwargs: dict[str, Any], expected: str
+) -> None:
+    """Digests computed by the implementation before issue 11 (the frozen copy's origin)."""
+    assert both(app, path, method, **kwargs) == (expected, expected)
+
+
+def test_c5_key_digests_are_the_ones_stored_records_hold() -> None:
+    vectors = [
+        (
+            "anonymous",
+            "8e03978e-40d5",
+            "7d24ff4cd99634155c6b5416bd93d47cc8fd15811e593e8b8e0d06e52d774a77",
+        ),
+        ("user:é", '"a,b"', "79cb361f7148f174394e40dc547d6b7aa707ebffc7cf534dd329725e7d3f5f19"),
+    ]
+    for scope, key, expected in vectors:
+        assert key_digest(scope, key) == frozen_key_digest(scope, key) == expected
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"{",
+        b"{}",
+        b"[]",
+        b"[1]  ",
+        b"[1] x",
+        b"{} {}",
+        b"\t{}",
+        b"\xef\xbb\xbf{}",  # a UTF-8 byte order mark: json.loads reads it as utf-8-sig
+        '{"a":1}'.encode("utf-16-le"),
+        '{"a":1}'.encode("utf-16-be"),
+        '{"a":1}'.encode("utf-32"),
+        b"{\x00}",
+        b'{"a":NaN,"b":Infinity,"c":-Infinity,"d":1e400,"e":-0.0}',
+        b'{"a":1,"a":2}',
+        b'{"\xed\xa0\x80":1}',  # a lone surrogate, which surrogatepass decodes
+        b'{"a":"\xff"}',
+        b'["\\ud800"]',
+        b"[" * 5000 + b"]" * 5000,  # deeper than the recursion limit: fingerprinted raw
+        b'"just a string"',
+        b"12",
+        b"null",
+    ],
+)
+def test_c6_odd_json_bodies_keep_their_fingerprint(app: Flask, body: bytes) -> None:
+    new, frozen = both(app, "/pay", data=body, content_type="application/json")
+    assert new == frozen
+
+
+JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(),
+    st.text(max_size=10),
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
+    max_leaves=15,
+)
+
+
+def messy_dump(value: Any, rnd: random.Random) -> str:
+    """Shuffled keys, random insignificant whitespace and escaping, around and inside."""
+
+    def ws() -> str:
+        return rnd.choice(["", "", " ", "\n", "\t", "\r\n "])
+
+    if isinstance(value, dict):
+        items = list(value.items())
+        rnd.shuffle(items)
+        inner = ",".join(
+            ws() + json.dumps(k, ensure_ascii=rnd.random() < 0.5) + ws() + ":" + messy_dump(v, rnd)
+            for k, v in items
+        )
+        return "{" + inner + ws() + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(ws() + messy_dump(v, rnd) for v in value) + ws() + "]"
+    return json.dumps(value, ensure_ascii=rnd.random() < 0.5)
+
+
+@st.composite
+def json_bodies(draw: st.DrawFn) -> bytes:
+    rnd = draw(st.randoms(use_true_random=False))
+    text = draw(st.sampled_from(["", " ", "\n"])) + messy_dump(draw(JSON_VALUES), rnd)
+    text += draw(st.sampled_from(["", " ", "\r\n", "x", "}", ","]))
+    encoding = draw(st.sampled_from(["utf-8", "utf-8", "utf-8-sig", "utf-16", "utf-32-be"]))
+    body = text.encode(encoding, "surrogatepass")
+    if draw(st.booleans()) and body:
+        cut = draw(st.integers(0, len(body)))
+        body = body[:cut]  # a truncated body: sometimes still JSON, mostly not
+    return body
+
+
+CONTENT_TYPES = [
+    "application/json",
+    "application/json; charset=utf-8",
+    "Application/JSON",
+    "application/problem+json",
+    " application/json ;x=y",
+    "text/plain",
+    "application/octet-stream",
+    "application/x-www-form-urlencoded",
+    "",
+]
+QUERY = st.lists(st.tuples(st.text(max_size=5), st.text(max_size=5)), max_size=4).map(urlencode)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    path=st.sampled_from(["/pay", "/items/7", "/files/a/b%20c", "/nowhere"]),
+    method=st.sampled_from(["POST", "PATCH"]),
+    query=QUERY,
+    content_type=st.sampled_from(CONTENT_TYPES),
+    body=st.one_of(
+        json_bodies(),
+        st.binary(max_size=300),
+        st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6)), max_size=5).map(
+            lambda fields: urlencode([*fields, ("_idempotency_key", "k")]).encode()
+        ),
+    ),
+)
+def test_c6_the_fingerprint_is_the_frozen_one_for_any_request(
+    app: Flask, path: str, method: str, query: str, content_type: str, body: bytes
+) -> None:
+    url = path + ("?" + query if query else "")
+    new, frozen = both(app, url, method, data=body, content_type=content_type)
+    assert new == frozen
+
+
+@settings(max_examples=200, deadline=None)
+@given(scope=st.text(max_size=20), key=st.text(max_size=40))
+def test_c5_the_key_digest_is_the_frozen_one(scope: str, key: str) -> None:
+    try:
+        expected = frozen_key_digest(scope, key)
+    except UnicodeEncodeError:  # a lone surrogate: neither can digest it
+        with pytest.raises(UnicodeEncodeError):
+            key_digest(scope, key)
+        return
+    assert key_digest(scope, key) == expected
+
+
+# -- the body as the view then sees it (C31, X18) -----------------------------------------
+
+
+def _environ(body: bytes, declared: int, **extra: Any) -> dict[str, Any]:
+    environ = EnvironBuilder(
+        path="/pay", method="POST", data=body, content_type="application/json"
+    ).get_environ()
+    environ["CONTENT_LENGTH"] = str(declared)
+    environ["wsgi.input"] = io.BytesIO(body)
+    environ.update(extra)
+    return environ
+
+
+@pytest.mark.parametrize("compute", [request_fingerprint, frozen_request_fingerprint])
+def test_c31_the_view_reads_the_body_it_would_have_read(app: Flask, compute: Any) -> None:
+    body = b'{"b": 1, "a": [1, 2]}' + b" " * 70_000  # more than one 64 KiB read
+    with app.request_context(_environ(body, len(body))):
+        compute(request, OMIT)
+        assert request.get_data() == body
+        assert request.get_json() == {"a": [1, 2], "b": 1}
+        assert request.stream.read() == b""  # consumed, as after get_data()
+
+
+@pytest.mark.parametrize("compute", [request_fingerprint, frozen_request_fingerprint])
+def test_c31_a_body_shorter_than_its_content_length_is_a_disconnect(
+    app: Flask, compute: Any
+) -> None:
+    with app.request_context(_environ(b'{"a": 1}', 100)), pytest.raises(ClientDisconnected):
+        compute(request, OMIT)
+
+
+@pytest.mark.parametrize("compute", [request_fingerprint, frozen_request_fingerprint])
+def test_c31_max_content_length_applies_to_the_fingerprint_read(app: Flask, compute: Any) -> None:
+    app.config["MAX_CONTENT_LENGTH"] = 10
+    try:
+        body = b'{"a": "0123456789"}'
+        with app.request_context(_environ(body, len(body))), pytest.raises(RequestEntityTooLarge):
+            compute(request, OMIT)
+    finally:
+        app.config["MAX_CONTENT_LENGTH"] = None
+
+
+def test_c31_a_body_read_before_the_layer_is_used_as_read(app: Flask) -> None:
+    body = b'{"a": 1}'
+    with app.request_context(_environ(body, len(body))):
+        assert request.get_data() == body  # an earlier hook cached it
+        cached = request_fingerprint(request, OMIT)
+    assert cached == both(app, "/pay", data=body, content_type="application/json")[1]
