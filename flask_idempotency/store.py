@@ -20,9 +20,9 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import os
 import random
 import time
-import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -233,7 +233,7 @@ class DurableStore:
         # One token for every attempt of this call: when a write's COMMIT reached the
         # server but its reply was lost, the retry reads a row that carries this token
         # and knows the claim is its own (no waiting for itself, C8).
-        token = uuid.uuid4().hex
+        token = _new_token()
         how = "new"
         for _ in range(_ATTEMPTS):
 
@@ -861,6 +861,12 @@ def _claim_params(ident: Identity, token: str, ttl_ms: int, lease_ms: int) -> di
         "p_ttl_ms": ttl_ms,
         "p_lease_ms": lease_ms,
     }
+
+
+def _new_token() -> str:
+    """A fresh lock token: 128 random bits as 32 hex digits, like ``uuid4().hex`` without
+    building a UUID (a few µs per first execution, issue 11)."""
+    return os.urandom(16).hex()
 
 
 def _autocommit_sibling(engine: Engine) -> Engine | None:
