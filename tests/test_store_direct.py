@@ -282,3 +282,47 @@ def test_i11_c26_pooled_connection_closed_on_the_client_is_invalidated_and_retri
     claim = store.acquire(identity_of("closed-2"), ttl=60, lease=30)
     assert not isinstance(claim, Record)
     assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+
+
+AWKWARD_TEXT = ["", "plain", "o'brien", "back\\slash", "%(p_scope)s", "100%", "é ü €", "tab\there"]
+
+
+def test_i11_literals_are_written_exactly_as_psycopg2_writes_them(store) -> None:
+    """The direct path writes its parameters into the statement itself: byte for byte
+    what psycopg2's own quoting writes, for every kind of value the store sends."""
+    from flask_idempotency.store_direct import _literal
+
+    values: list[Any] = [*AWKWARD_TEXT, 0, 7, 2**62, -3, True, False, None]
+    values += [b"", b"\x00\xff'\\", memoryview(b"ab"), 1.5]
+    pool = store._single()
+    assert pool is not None
+    conn = pool.raw_connection()
+    try:
+        cursor = conn.cursor()
+        for value in values:
+            assert _literal(cursor, value) == cursor.mogrify("%s", (value,)), value
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "plain"])
+def test_i11_c9_awkward_values_round_trip_on_the_direct_path(store, runs, prepared) -> None:
+    """C9: quotes, backslashes, percent signs and non-ASCII text in the scope, path and
+    stored headers, and any bytes in the body, come back exactly, with and without
+    prepared statements (a transaction pooler turns them off)."""
+    store.acquire(identity_of("warm"), ttl=60, lease=30)  # sets up the direct path
+    direct = store._direct()
+    assert direct is not None
+    direct.prepare = prepared
+    for i, awkward in enumerate(AWKWARD_TEXT):
+        digest = (uuid.uuid4().hex + uuid.uuid4().hex)[:64]
+        ident = Identity(f"scope {awkward}", digest, "f" * 64, "POST", f"/{i}/{awkward}")
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        headers = (("X-Note", awkward), ("ETag", f'"{i}"'))
+        response = StoredResponse(200, headers, bytes(range(256)))
+        assert store.complete(claim, response) == claim.expires_at_ms
+        replay = store.acquire(ident, ttl=60, lease=30)
+        assert isinstance(replay, Record) and replay.response == response
+        assert (replay.scope, replay.path) == (ident.scope, ident.path)
+    assert runs  # every statement above ran on the direct path
