@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import QueuePool
 
 T = TypeVar("T")
 
@@ -211,41 +212,78 @@ class DirectStatements:
         return self._run_once(sql, work)
 
     def _run_once(self, sql: str, work: Callable[[Any, dict[str, Any]], T]) -> T:
+        pool = self._engine.pool  # read each time: a forked child's engine has a new one
+        lean = self._lean(pool)
         try:
-            conn = self._engine.pool.connect()
+            if lean:
+                entry: Any = pool._do_get()
+                try:
+                    dbapi_connection = entry.get_connection()  # reconnects a stale one
+                except BaseException as exc:
+                    entry._checkin_failed(exc, _fairy_was_created=False)
+                    raise
+            else:
+                entry = pool.connect()
+                dbapi_connection = entry.dbapi_connection
         except self._error as exc:
             raise self._wrap(exc, sql, None, None) from exc
         cursor = None  # making it can fail too (a connection closed on the client side)
         try:
-            cursor = conn.dbapi_connection.cursor()  # type: ignore[union-attr]
+            cursor = dbapi_connection.cursor()
             try:
-                return work(cursor, conn.info)
+                return work(cursor, entry.info)
             finally:
                 cursor.close()
         except self._error as exc:
-            wrapped = self._wrap(exc, sql, conn, cursor)
-            if conn.is_valid and _PREPARED in conn.info:
+            wrapped = self._wrap(exc, sql, entry, cursor)
+            if entry.dbapi_connection is not None and _PREPARED in entry.info:
                 # Which statements the server kept for this connection is unknown now:
                 # start afresh on a new connection.
-                conn.invalidate(exc)
+                entry.invalidate(exc)
                 if getattr(exc, "pgcode", None) == _REPLANNED_RESULT:
                     wrapped.connection_invalidated = True  # a fresh connection will do: retried
             raise wrapped from exc
         except BaseException as exc:
             # Interrupted mid-statement (a timeout, an exit): the connection's state
             # is unknown, so it never returns to the pool as it is (as SQLAlchemy does).
-            conn.invalidate(exc)
+            entry.invalidate(exc)
             raise
         finally:
-            conn.close()  # back to the pool, or closed when invalidated
+            # Back to the pool (reconnected on its next use when invalidated).
+            if lean:
+                entry.checkin(_fairy_was_created=False)
+            else:
+                entry.close()
 
-    def _wrap(self, exc: Exception, sql: str, conn: Any, cursor: Any) -> DBAPIError:
-        dbapi_conn = None if conn is None else conn.dbapi_connection
+    @staticmethod
+    def _lean(pool: Any) -> bool:
+        """Whether a statement may take its connection's pool entry directly, without the
+        proxy object SQLAlchemy wraps around a checked-out connection.
+
+        The proxy's checkout and return cost more CPU than the statement's own work
+        in psycopg2 (issue 11); what they add is needed only for a pre-ping, for
+        checkout, checkin or reset listeners, and for the rollback on return, which
+        in this pool's autocommit mode has no transaction to end. The entry itself
+        still reconnects a recycled, invalidated or dead connection, and the pool
+        keeps its size, overflow and timeout. Any other pool class takes the
+        ordinary checkout. (``_do_get``, ``get_connection``, ``checkin`` and
+        ``_checkin_failed`` are what the proxy itself calls, the same since SQLAlchemy 2.0.0.)
+        """
+        if type(pool) is not QueuePool or pool._pre_ping:
+            return False
+        dispatch = pool.dispatch
+        return not (dispatch.checkout or dispatch.checkin or dispatch.reset)
+
+    def _wrap(self, exc: Exception, sql: str, entry: Any, cursor: Any) -> DBAPIError:
+        """``exc`` as SQLAlchemy raises it; ``entry``: the connection it came from (a pool
+        entry or a checked-out connection), or ``None``."""
+        dbapi_conn = None if entry is None else entry.dbapi_connection
         dead = bool(self._dialect.is_disconnect(exc, dbapi_conn, cursor))  # type: ignore[arg-type]
-        if dead and conn is not None and conn.is_valid:
+        if dead and dbapi_conn is not None:
             # The server went away: every connection made before now is suspect, as
             # SQLAlchemy decides on a disconnect (``invalidate_pool_on_disconnect``).
-            self._engine.pool._invalidate(conn, exc)  # invalidates ``conn`` too
+            self._engine.pool._invalidate(entry, exc, _checkin=False)
+            entry.invalidate(exc)
         return DBAPIError.instance(  # type: ignore[return-value]
             sql,
             None,

@@ -326,3 +326,83 @@ def test_i11_c9_awkward_values_round_trip_on_the_direct_path(store, runs, prepar
         assert isinstance(replay, Record) and replay.response == response
         assert (replay.scope, replay.path) == (ident.scope, ident.path)
     assert runs  # every statement above ran on the direct path
+
+
+def terminate_pooled_connections(store: DurableStore) -> int:
+    with store.autocommit.connect() as admin:
+        killed: int = admin.execute(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE application_name = :name AND pid <> pg_backend_pid()"
+            ),
+            {"name": store.table.name},
+        ).scalar_one()
+    return killed
+
+
+def test_i11_c26_every_statement_returns_its_connection_to_the_pool(store, runs) -> None:
+    """The direct path takes its connection from the pool's entries itself: after
+    replays, completions, a lost lease, a schema error and a dead connection, nothing
+    is left checked out, and the pool never grows past its size."""
+    pool = store._single()
+    assert pool is not None
+    for i in range(5):
+        ident = identity_of(f"returned-{i}")
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+        assert isinstance(store.acquire(ident, ttl=60, lease=30), Record)
+        assert pool.pool.checkedout() == 0  # type: ignore[attr-defined]
+    assert terminate_pooled_connections(store) >= 1
+    assert not isinstance(store.acquire(identity_of("returned-dead"), ttl=60, lease=30), Record)
+    assert pool.pool.checkedout() == 0  # type: ignore[attr-defined]
+    assert pool.pool.size() == 3 and pool.pool.overflow() <= 0  # type: ignore[attr-defined]
+
+
+def test_i11_pool_listeners_still_see_every_checkout(store, runs) -> None:
+    """An app's ``checkout``/``checkin`` listeners on the pool (pool metrics, a per-checkout
+    setting) see the direct path's connections as before: it steps aside for them."""
+    store.acquire(identity_of("listened-warm"), ttl=60, lease=30)
+    pool = store._single()
+    assert pool is not None
+    seen: list[str] = []
+
+    def on_checkout(*args: Any) -> None:
+        seen.append("checkout")
+
+    def on_checkin(*args: Any) -> None:
+        seen.append("checkin")
+
+    event.listen(pool.pool, "checkout", on_checkout)
+    event.listen(pool.pool, "checkin", on_checkin)
+    ident = identity_of("listened")
+    claim = store.acquire(ident, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+    assert seen == ["checkout", "checkin"] * 2
+
+
+def test_i11_c26_a_pre_pinging_pool_replaces_a_dead_connection_before_the_statement(
+    pg_url: URL, runs
+) -> None:
+    """``pool_pre_ping=True``: the ping on checkout still runs on the direct path, so a
+    connection the server dropped is replaced before the statement (no failed attempt)."""
+    url = driver_url(pg_url, "psycopg2")
+    name = f"idem_ping_{uuid.uuid4().hex[:10]}"
+    store = DurableStore(
+        lambda: create_engine(
+            url, pool_size=1, pool_pre_ping=True, connect_args={"application_name": name}
+        ),
+        table_name=name,
+        create_table=True,
+    )
+    try:
+        store.acquire(identity_of("ping-warm"), ttl=60, lease=30)
+        runs.clear()
+        assert terminate_pooled_connections(store) >= 1
+        claim = store.acquire(identity_of("ping"), ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        assert len(runs) == 1  # without the ping: a failed run, then the retry
+    finally:
+        store.table.drop(store.engine, checkfirst=True)
+        store.engine.dispose()
