@@ -361,7 +361,7 @@ class DurableStore:
             )
         else:
             statement = self._direct_sql("claim", self._at_once_statement)
-        params = {**statement.defaults, **_claim_params(ident, token, ttl_ms, lease_ms)}
+        params = _claim_params(ident, token, ttl_ms, lease_ms)
 
         def claim_or_read(cursor: Any, info: dict[str, Any]) -> Any:
             return direct.fetchone(cursor, info, statement, params)
@@ -554,7 +554,7 @@ class DurableStore:
         if direct is None:
             return self._run(lambda conn: self._select(conn, key_digest), single)
         statement = self._direct_sql("get", self._select_statement)
-        params = {**statement.defaults, "p_key_digest": key_digest}
+        params = {"p_key_digest": key_digest}
 
         def read(cursor: Any, info: dict[str, Any]) -> Any:
             return direct.fetchone(cursor, info, statement, params)
@@ -616,13 +616,9 @@ class DurableStore:
         """:meth:`complete` on the pooled psycopg2 connection directly: the same fenced
         UPDATE … RETURNING, and the same check for a lost reply on a retry (C14)."""
         statement = self._direct_sql("complete", self._complete_statement)
-        params = {**statement.defaults, **_completion_params(claim, response)}
+        params = _completion_params(claim, response)
         applied = self._direct_sql("applied", self._applied_statement)
-        applied_params = {
-            **applied.defaults,
-            "p_record_id": claim.record_id,
-            "p_lock_token": claim.lock_token,
-        }
+        applied_params = {"p_record_id": claim.record_id, "p_lock_token": claim.lock_token}
         attempts = 0
 
         def complete_own(cursor: Any, info: dict[str, Any]) -> int | None:

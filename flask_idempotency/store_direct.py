@@ -51,20 +51,21 @@ _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 class DirectSQL:
     """A statement compiled once for the direct path.
 
-    ``sql`` with its ``defaults`` (the constant parameters) is the statement as
-    SQLAlchemy would run it (error messages name it). It runs as :meth:`plain`, or as
-    a server-side prepared statement: ``prepare`` (once per pooled connection), then
-    :meth:`executed`, named by a hash of its text so that a name always means this
-    very statement. ``record_values``: a row's values in
+    ``sql`` is the statement as SQLAlchemy would run it (error messages name it). It
+    runs as :meth:`plain`, or as a server-side prepared statement: ``prepare`` (once
+    per pooled connection), then :meth:`executed`, named by a hash of its text so
+    that a name always means this very statement. Its own constant values are
+    written in once; ``arguments`` names the values each run passes.
+    ``record_values``: a row's values in
     :data:`~flask_idempotency.records.RECORD_COLUMNS` order (statements that read a record).
     """
 
     __slots__ = (
         "_execute",
         "_plain",
-        "defaults",
+        "_plain_arguments",
+        "arguments",
         "name",
-        "names",
         "prepare",
         "record_values",
         "sql",
@@ -75,14 +76,11 @@ class DirectSQL:
     ) -> None:
         sql: str = compiled.string
         self.sql = prefix + sql
-        self.defaults: dict[str, Any] = dict(compiled.params)
         self.record_values = record_values
         names: list[str] = []
         for name in _PLACEHOLDER.findall(sql):
             if name not in names:
                 names.append(name)
-        #: The parameters' names, in the order of the prepared statement's arguments.
-        self.names = tuple(names)
         types = ", ".join(
             dialect.type_compiler_instance.process(compiled.binds[name].type) for name in names
         )
@@ -91,27 +89,31 @@ class DirectSQL:
         self.name = f"flask_idempotency_{digest}"
         # Run without parameters, the driver leaves the text as it is: ``%%`` is ``%``.
         self.prepare = f"PREPARE {self.name} ({types}) AS {numbered}".replace("%%", "%").encode()
-        self._execute = f"{prefix}EXECUTE {self.name} (".replace("%%", "%").encode()
-        #: The plain statement's text around its placeholders, and the name of each.
-        parts = _PLACEHOLDER.split(prefix + sql)
-        self._plain = (
-            tuple(part.replace("%%", "%").encode() for part in parts[0::2]),
-            tuple(parts[1::2]),
-        )
+        # The texts to run, as %-templates: ``%s`` for each value a run passes, and the
+        # statement's own constants (SQLAlchemy's literal parameters) written in.
+        slots: dict[str, str] = {}
+        for name in names:
+            given = compiled.binds[name].required  # a bindparam() without a value
+            literal = None if given else _plain_literal(compiled.params[name])
+            slots[name] = "%s" if literal is None else literal.decode().replace("%", "%%")
+        #: The names of the values each run passes, in the order :meth:`executed` wants.
+        self.arguments = tuple(name for name in names if slots[name] == "%s")
+        escaped_prefix = prefix.replace("%", "%%")
+        listed = ", ".join(slots[name] for name in names)
+        self._execute = f"{escaped_prefix}EXECUTE {self.name} ({listed})".encode()
+        parts = _PLACEHOLDER.split(sql)  # text, name, text, name, ..., text (``%%`` kept)
+        plain = "".join(slots[part] if i % 2 else part for i, part in enumerate(parts))
+        self._plain = (escaped_prefix + plain).encode()
+        self._plain_arguments = tuple(name for name in parts[1::2] if slots[name] == "%s")
 
     def executed(self, cursor: Any, params: dict[str, Any]) -> bytes:
-        """``EXECUTE`` of the prepared statement with ``params`` as literals."""
-        values = [_literal(cursor, params[name]) for name in self.names]
-        return self._execute + b", ".join(values) + b")"
+        """``EXECUTE`` of the prepared statement with ``params`` (:attr:`arguments`) as literals."""
+        return self._execute % tuple([_literal(cursor, params[name]) for name in self.arguments])
 
     def plain(self, cursor: Any, params: dict[str, Any]) -> bytes:
         """The statement itself with ``params`` as literals (no statement prepared)."""
-        texts, names = self._plain
-        out = [texts[0]]
-        for name, text in zip(names, texts[1:], strict=True):
-            out.append(_literal(cursor, params[name]))
-            out.append(text)
-        return b"".join(out)
+        values = [_literal(cursor, params[name]) for name in self._plain_arguments]
+        return self._plain % tuple(values)
 
 
 #: Text that is a valid SQL string literal between single quotes whatever the server's
@@ -119,14 +121,8 @@ class DirectSQL:
 _PLAIN_TEXT = re.compile(r"[ -&(-\[\]-~]*").fullmatch
 
 
-def _literal(cursor: Any, value: Any) -> bytes:
-    """``value`` as an SQL literal, as psycopg2 would write it for this cursor.
-
-    psycopg2 builds an adapter object per parameter (about 1.3 µs each, 8 per claim);
-    the values of our statements are mostly hex digests, plain ASCII and small
-    integers, written here directly. Anything else goes through psycopg2's own
-    quoting for the cursor's connection (its encoding, its escaping rules).
-    """
+def _plain_literal(value: Any) -> bytes | None:
+    """``value`` as an SQL literal when it needs no quoting rules of a connection; else ``None``."""
     kind = type(value)
     if kind is str:
         if _PLAIN_TEXT(value):
@@ -139,8 +135,21 @@ def _literal(cursor: Any, value: Any) -> bytes:
         return b"NULL"
     elif kind is bool:
         return b"true" if value else b"false"
-    quoted: bytes = cursor.mogrify("%s", (value,))
-    return quoted
+    return None
+
+
+def _literal(cursor: Any, value: Any) -> bytes:
+    """``value`` as an SQL literal, as psycopg2 would write it for this cursor.
+
+    psycopg2 builds an adapter object per parameter (about 1.3 µs each, 8 per claim);
+    the values of our statements are mostly hex digests, plain ASCII and small
+    integers, written here directly. Anything else goes through psycopg2's own
+    quoting for the cursor's connection (its encoding, its escaping rules).
+    """
+    literal = _plain_literal(value)
+    if literal is None:
+        literal = cursor.mogrify("%s", (value,))
+    return literal
 
 
 class DirectStatements:
