@@ -156,7 +156,8 @@ class DurableStore:
                 self._create_if_missing(single or engine)
             except SQLAlchemyError as exc:
                 raise StoreError(f"could not create the table: {_describe(exc)}") from exc
-        if single is not None:
+        if single is not None and "%" not in self.table.fullname:
+            # (A literal % in the table name would read as a placeholder in its SQL.)
             self._direct_runner = DirectStatements(single)
         return engine, engine.execution_options(isolation_level="AUTOCOMMIT"), single
 
@@ -236,35 +237,7 @@ class DurableStore:
         token = _new_token()
         how = "new"
         for _ in range(_ATTEMPTS):
-
-            def claim_or_read(conn: Connection, token: str = token) -> Claim | Record | None:
-                # One transaction for both: at READ COMMITTED the SELECT takes a fresh
-                # snapshot and sees the row that made the INSERT do nothing.
-                claim = self._insert(conn, ident, token, ttl_ms, lease_ms)
-                return claim if claim is not None else self._select(conn, ident.key_digest)
-
-            # A literal % in the table name would read as a placeholder in the driver's SQL.
-            single = None if guard_locks or "%" in self.table.fullname else self._single()
-            direct = None if single is None else self._direct()
-            if direct is not None:
-                outcome = self._claim_or_read_direct(direct, ident, token, ttl_ms, lease_ms)
-            elif single is not None:
-                outcome = self._run(
-                    functools.partial(
-                        self._claim_or_read_at_once,
-                        ident=ident,
-                        token=token,
-                        ttl_ms=ttl_ms,
-                        lease_ms=lease_ms,
-                    ),
-                    single,
-                )
-            elif guard_locks:
-                outcome = self._run_locked(claim_or_read)
-                if outcome is None:  # the row was locked: read it without waiting
-                    outcome = self.get(ident.key_digest)
-            else:
-                outcome = self._run(claim_or_read)
+            outcome = self._claim_or_read(ident, token, ttl_ms, lease_ms, guard_locks)
             if isinstance(outcome, Claim):
                 return outcome
             record = outcome
@@ -287,6 +260,40 @@ class DurableStore:
         if record is None:
             raise StoreError("the record kept vanishing while it was being claimed")
         return record
+
+    def _claim_or_read(
+        self, ident: Identity, token: str, ttl_ms: int, lease_ms: int, guard_locks: bool
+    ) -> Claim | Record | None:
+        """One attempt: the claim, or the record in its way; ``None`` when neither was
+        seen (a record that came and went between the two, race X9): try again."""
+        if not guard_locks:
+            direct = self._direct()
+            if direct is not None:
+                return self._claim_or_read_direct(direct, ident, token, ttl_ms, lease_ms)
+            # A literal % in the table name would read as a placeholder in the driver's SQL.
+            single = None if "%" in self.table.fullname else self._single()
+            if single is not None:
+                return self._run(
+                    functools.partial(
+                        self._claim_or_read_at_once,
+                        ident=ident,
+                        token=token,
+                        ttl_ms=ttl_ms,
+                        lease_ms=lease_ms,
+                    ),
+                    single,
+                )
+
+        def claim_or_read(conn: Connection) -> Claim | Record | None:
+            # One transaction for both: at READ COMMITTED the SELECT takes a fresh
+            # snapshot and sees the row that made the INSERT do nothing.
+            claim = self._insert(conn, ident, token, ttl_ms, lease_ms)
+            return claim if claim is not None else self._select(conn, ident.key_digest)
+
+        if guard_locks:
+            outcome = self._run_locked(claim_or_read)
+            return self.get(ident.key_digest) if outcome is None else outcome  # locked: read
+        return self._run(claim_or_read)
 
     def _insert(
         self, conn: Connection, ident: Identity, token: str, ttl_ms: int, lease_ms: int
@@ -377,6 +384,8 @@ class DurableStore:
 
     def _direct(self) -> DirectStatements | None:
         """The direct runner of the autocommit pool, if nothing would miss its statements."""
+        if self._engines is None:
+            self._resolve()
         runner = self._direct_runner
         return runner if runner is not None and runner.usable() else None
 
@@ -549,10 +558,9 @@ class DurableStore:
 
     def get(self, key_digest: str) -> Record | None:
         """The record named ``key_digest``, read with the database clock (no lock taken, R74)."""
-        single = self._single()
-        direct = None if single is None or "%" in self.table.fullname else self._direct()
+        direct = self._direct()
         if direct is None:
-            return self._run(lambda conn: self._select(conn, key_digest), single)
+            return self._run(lambda conn: self._select(conn, key_digest), self._single())
         statement = self._direct_sql("get", self._select_statement)
         params = {"p_key_digest": key_digest}
 
@@ -582,10 +590,10 @@ class DurableStore:
 
     def complete(self, claim: Claim, response: StoredResponse) -> int | None:
         """Store the response and complete the record; ``None`` if the lease was lost (C14)."""
-        single = self._single()
-        direct = None if single is None or "%" in self.table.fullname else self._direct()
+        direct = self._direct()
         if direct is not None:
             return self._complete_direct(direct, claim, response)
+        single = self._single()
         stmt = self._complete_statement()
         params = _completion_params(claim, response)
         applied = self._applied_statement()
