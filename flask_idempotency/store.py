@@ -732,23 +732,54 @@ class DurableStore:
         (another owner could only have deleted it after taking over a lapsed lease,
         and the wake-up that follows is a mere hint).
         """
-        t = self.table
-        stmt = delete(t).where(
-            t.c.id == claim.record_id,
-            t.c.lock_token == claim.lock_token,
-            t.c.state == IN_PROGRESS,
-        )
-        exists = select(t.c.id).where(t.c.id == claim.record_id)
+        direct = self._direct()
+        if direct is not None:
+            return self._release_direct(direct, claim)
+        params = {"p_record_id": claim.record_id, "p_lock_token": claim.lock_token}
+        stmt, exists = self._release_statement(), self._exists_statement()
         attempts = 0
 
         def delete_own(conn: Connection) -> bool:
             nonlocal attempts
             attempts += 1
-            if conn.execute(stmt).rowcount:
+            if conn.execute(stmt, params).rowcount:
                 return True
-            return attempts > 1 and conn.execute(exists).first() is None
+            return attempts > 1 and conn.execute(exists, params).first() is None
 
         return self._run(delete_own, self._single())
+
+    def _release_direct(self, direct: DirectStatements, claim: Claim) -> bool:
+        """:meth:`release` on the pooled psycopg2 connection directly (a fenced
+        ``DELETE … RETURNING``), with the same reading of a retry that finds no row."""
+        statement = self._direct_sql(
+            "release", lambda: self._release_statement().returning(self.table.c.id)
+        )
+        exists = self._direct_sql("exists", self._exists_statement)
+        params = {"p_record_id": claim.record_id, "p_lock_token": claim.lock_token}
+        attempts = 0
+
+        def delete_own(cursor: Any, info: dict[str, Any]) -> bool:
+            nonlocal attempts
+            attempts += 1
+            if direct.fetchone(cursor, info, statement, params) is not None:
+                return True
+            return attempts > 1 and direct.fetchone(cursor, info, exists, params) is None
+
+        return self._run_direct(direct, statement.sql, delete_own)
+
+    def _release_statement(self) -> Any:
+        """The owner's fenced DELETE, with the claim's id and token as parameters."""
+        t = self.table
+        return delete(t).where(
+            t.c.id == bindparam("p_record_id", type_=t.c.id.type),
+            t.c.lock_token == bindparam("p_lock_token", type_=t.c.lock_token.type),
+            t.c.state == IN_PROGRESS,
+        )
+
+    def _exists_statement(self) -> Any:
+        """Whether the record is still there (a retried release's check)."""
+        t = self.table
+        return select(t.c.id).where(t.c.id == bindparam("p_record_id", type_=t.c.id.type))
 
     def renew(self, claims: list[Claim], lease: float, *, engine: Engine | None = None) -> set[int]:
         """Extend the leases of ``claims`` to ``lease`` seconds from now (C44).

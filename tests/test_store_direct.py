@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import URL
 
 from flask_idempotency import idempotent
-from flask_idempotency.records import Identity, Record, StoredResponse
+from flask_idempotency.records import Claim, Identity, Record, StoredResponse
 from flask_idempotency.store import DurableStore, StoreError, StoreMisconfigured
 from flask_idempotency.store_direct import DirectStatements
 
@@ -406,3 +406,19 @@ def test_i11_c26_a_pre_pinging_pool_replaces_a_dead_connection_before_the_statem
     finally:
         store.table.drop(store.engine, checkfirst=True)
         store.engine.dispose()
+
+
+def test_i11_c14_c20_release_runs_on_the_direct_path_fenced_by_the_token(store, runs) -> None:
+    """C14/C20: a release is one fenced DELETE on the direct path: a stranger's token
+    deletes nothing, the owner's deletes the record, and the key can be claimed anew."""
+    ident = identity_of("release-1")
+    claim = store.acquire(ident, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    runs.clear()
+    stranger = Claim(claim.record_id, "0" * 32, claim.expires_at_ms, "new")
+    assert store.release(stranger) is False
+    assert store.get(ident.key_digest) is not None
+    assert store.release(claim) is True
+    assert store.get(ident.key_digest) is None
+    assert len(runs) == 4
+    assert not isinstance(store.acquire(ident, ttl=60, lease=30), Record)
