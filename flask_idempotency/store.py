@@ -399,7 +399,8 @@ class DurableStore:
             names = [c.key for c in statement.exported_columns]
             at = [names.index(column) for column in RECORD_COLUMNS if column in names]
             getter = operator.itemgetter(*at) if len(at) == len(RECORD_COLUMNS) else None
-            compiled = runner.compile(statement, getter, prefix)
+            body_at = names.index("response_body") if "response_body" in names else None
+            compiled = runner.compile(statement, getter, prefix, body_at)
             cached = self._direct_cache.setdefault(name, compiled)
         return cached
 

@@ -422,3 +422,26 @@ def test_i11_c14_c20_release_runs_on_the_direct_path_fenced_by_the_token(store, 
     assert store.get(ident.key_digest) is None
     assert len(runs) == 4
     assert not isinstance(store.acquire(ident, ttl=60, lease=30), Record)
+
+
+def test_i11_a_kept_cursor_never_keeps_a_large_stored_body_alive(store, runs) -> None:
+    """Each pooled connection keeps one cursor for its next statement, and a cursor holds
+    its last result: a replay of a large body lets that cursor go with it."""
+    from flask_idempotency.store_direct import _CURSOR, _KEPT_RESULT_BYTES
+
+    pool = store._single()
+    assert pool is not None
+    for size, kept in ((100, True), (_KEPT_RESULT_BYTES + 1, False)):
+        ident = identity_of(f"kept-{size}")
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        response = StoredResponse(201, (), b"x" * size)
+        assert store.complete(claim, response) == claim.expires_at_ms
+        replay = store.acquire(ident, ttl=60, lease=30)
+        assert isinstance(replay, Record) and replay.response == response
+        # Statements one at a time: the pool has made one connection, the one just used.
+        entry = pool.pool._do_get()  # type: ignore[attr-defined]
+        try:
+            assert (_CURSOR in entry.info) is kept, size
+        finally:
+            entry.checkin(_fairy_was_created=False)
