@@ -90,6 +90,9 @@ class Renewer:
         self._cond = threading.Condition()
         self._leases: set[Lease] = set()
         self._thread: threading.Thread | None = None
+        #: When the waiting thread wakes up by itself (monotonic); ``None`` while it is not
+        #: waiting (it scans every lease before it waits again) or has been woken.
+        self._wakes_at: float | None = None
         #: Per store engine, a pool of the renewer's own (used by its thread only).
         self._engines: dict[int, tuple[Engine, Engine]] = {}
 
@@ -103,7 +106,8 @@ class Renewer:
                     target=self._run, name="idempotency-heartbeat", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify_all()
+            else:
+                self._wake_if_sooner(lease)
 
     def remove(self, lease: Lease) -> None:
         """Stop renewing ``lease``; returns once no renewal of it is under way."""
@@ -121,6 +125,19 @@ class Renewer:
     def resume(self, lease: Lease) -> None:
         with self._cond:
             lease.held = False
+            self._wake_if_sooner(lease)
+
+    def _wake_if_sooner(self, lease: Lease) -> None:
+        """Wake the waiting thread only if ``lease`` is due before it would wake anyway.
+
+        Every first execution registers a lease, and most are due long after the
+        thread's next round: waking it for each cost a thread switch and a scan of
+        every lease per request. A thread that is not waiting scans all leases
+        before it waits again, so it needs no wake-up either.
+        """
+        wakes_at = self._wakes_at
+        if wakes_at is not None and lease.next_due < wakes_at:
+            self._wakes_at = None  # one wake-up is enough: it rescans everything
             self._cond.notify_all()
 
     def _wait_idle(self, lease: Lease) -> None:
@@ -162,9 +179,12 @@ class Renewer:
                     for lease in due:
                         lease.in_flight = True
                     return due
-                wait = min((lease.next_due - now for lease in active), default=_IDLE_EXIT)
+                soonest = min((lease.next_due - now for lease in active), default=_IDLE_EXIT)
+                wait = max(0.001, soonest)
                 del active  # see _run: no lease is held across the wait
-                self._cond.wait(max(0.001, wait))
+                self._wakes_at = now + wait
+                self._cond.wait(wait)
+                self._wakes_at = None
 
     def _renew(self, due: list[Lease]) -> None:
         reports: list[tuple[Lease, str]] = []

@@ -6,7 +6,7 @@ import base64
 import dataclasses
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 IN_PROGRESS = "in_progress"
 COMPLETED = "completed"
@@ -42,13 +42,40 @@ class StoredResponse:
     body_omitted: bool = False
 
     def headers_json(self) -> str:
-        return json.dumps([list(pair) for pair in self.headers], separators=(",", ":"))
+        text = _HEADERS_TEXT.get(self.headers)
+        if text is None:
+            text = json.dumps([list(pair) for pair in self.headers], separators=(",", ":"))
+            _remember(_HEADERS_TEXT, self.headers, text)
+        return text
 
     @staticmethod
     def headers_from_json(text: str | None) -> tuple[tuple[str, str], ...]:
         if not text:
             return ()
-        return tuple((str(name), str(value)) for name, value in json.loads(text))
+        headers = _HEADERS_READ.get(text)
+        if headers is None:
+            headers = tuple((str(name), str(value)) for name, value in json.loads(text))
+            _remember(_HEADERS_READ, text, headers)
+        return headers
+
+
+#: Stored headers in both forms, by the other: a route's responses mostly carry the
+#: same few headers, and encoding or decoding them each time cost more than the rest
+#: of building a record (issue 11). Both forms are immutable, so sharing is safe.
+_HEADERS_TEXT: dict[tuple[tuple[str, str], ...], str] = {}
+_HEADERS_READ: dict[str, tuple[tuple[str, str], ...]] = {}
+#: Entries each memo keeps before it starts afresh (headers that vary per response,
+#: a ``Location`` say, would otherwise grow it without end).
+_MEMO_SIZE = 512
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _remember(memo: dict[K, V], key: K, value: V) -> None:
+    if len(memo) >= _MEMO_SIZE:
+        memo.clear()
+    memo[key] = value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,13 +226,17 @@ def record_from_values(values: Sequence[Any]) -> Record:
     ) = values
     response = None
     if state == COMPLETED and status is not None:
-        response = StoredResponse(
+        response = _new(StoredResponse)
+        response.__dict__.update(
             status=int(status),
             headers=StoredResponse.headers_from_json(headers),
             body=bytes(body or b""),
             body_omitted=bool(omitted),
         )
-    return Record(
+    # Filled in directly: a frozen dataclass's __init__ sets each of its fields through
+    # object.__setattr__, which cost more than the rest of this function (issue 11).
+    record = _new(Record)
+    record.__dict__.update(
         id=int(id_),
         key_digest=key_digest,
         scope=scope,
@@ -221,3 +252,7 @@ def record_from_values(values: Sequence[Any]) -> Record:
         response=response,
         now_ms=int(now_ms),
     )
+    return record
+
+
+_new = object.__new__

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import QueuePool
 
 T = TypeVar("T")
 
@@ -45,27 +46,49 @@ _NOT_ONE_SERVER_CONNECTION = frozenset({"26000", "42P05"})
 #: "cached plan must not change result type": the table changed under a prepared statement.
 _REPLANNED_RESULT = "0A000"
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+#: The key of a pooled connection's cursor, kept in its ``info`` for the next statement.
+_CURSOR = "flask_idempotency.cursor"
+#: A result with a value larger than this is not kept alive by a kept cursor.
+_KEPT_RESULT_BYTES = 64 * 1024
 
 
 class DirectSQL:
     """A statement compiled once for the direct path.
 
-    ``sql`` with its ``defaults`` (the constant parameters) runs as it is; the same
-    statement as a server-side prepared statement is ``prepare`` (once per pooled
-    connection) and ``execute``, named by a hash of its text so that a name always
-    means this very statement. ``record_values``: a row's values in
-    :data:`~flask_idempotency.records.RECORD_COLUMNS` order (statements that read a record).
+    ``sql`` is the statement as SQLAlchemy would run it (error messages name it). It
+    runs as :meth:`plain`, or as a server-side prepared statement: ``prepare`` (once
+    per pooled connection), then :meth:`executed`, named by a hash of its text so
+    that a name always means this very statement. Its own constant values are
+    written in once; ``arguments`` names the values each run passes.
+    ``record_values``: a row's values in
+    :data:`~flask_idempotency.records.RECORD_COLUMNS` order (statements that read a record);
+    ``body_at``: where a row holds a stored body, if it does.
     """
 
-    __slots__ = ("defaults", "execute", "name", "prepare", "record_values", "sql")
+    __slots__ = (
+        "_execute",
+        "_plain",
+        "_plain_arguments",
+        "arguments",
+        "body_at",
+        "name",
+        "prepare",
+        "record_values",
+        "sql",
+    )
 
     def __init__(
-        self, compiled: Any, dialect: Any, record_values: Callable[[Any], Any] | None, prefix: str
+        self,
+        compiled: Any,
+        dialect: Any,
+        record_values: Callable[[Any], Any] | None,
+        prefix: str,
+        body_at: int | None = None,
     ) -> None:
         sql: str = compiled.string
         self.sql = prefix + sql
-        self.defaults: dict[str, Any] = dict(compiled.params)
         self.record_values = record_values
+        self.body_at = body_at
         names: list[str] = []
         for name in _PLACEHOLDER.findall(sql):
             if name not in names:
@@ -76,9 +99,69 @@ class DirectSQL:
         numbered = _PLACEHOLDER.sub(lambda m: f"${names.index(m.group(1)) + 1}", sql)
         digest = hashlib.sha256(f"{types}|{numbered}".encode()).hexdigest()[:24]
         self.name = f"flask_idempotency_{digest}"
-        self.prepare = f"PREPARE {self.name} ({types}) AS {numbered}"
-        arguments = ", ".join(f"%({name})s" for name in names)
-        self.execute = f"{prefix}EXECUTE {self.name} ({arguments})"
+        # Run without parameters, the driver leaves the text as it is: ``%%`` is ``%``.
+        self.prepare = f"PREPARE {self.name} ({types}) AS {numbered}".replace("%%", "%").encode()
+        # The texts to run, as %-templates: ``%s`` for each value a run passes, and the
+        # statement's own constants (SQLAlchemy's literal parameters) written in.
+        slots: dict[str, str] = {}
+        for name in names:
+            given = compiled.binds[name].required  # a bindparam() without a value
+            literal = None if given else _plain_literal(compiled.params[name])
+            slots[name] = "%s" if literal is None else literal.decode().replace("%", "%%")
+        #: The names of the values each run passes, in the order :meth:`executed` wants.
+        self.arguments = tuple(name for name in names if slots[name] == "%s")
+        escaped_prefix = prefix.replace("%", "%%")
+        listed = ", ".join(slots[name] for name in names)
+        self._execute = f"{escaped_prefix}EXECUTE {self.name} ({listed})".encode()
+        parts = _PLACEHOLDER.split(sql)  # text, name, text, name, ..., text (``%%`` kept)
+        plain = "".join(slots[part] if i % 2 else part for i, part in enumerate(parts))
+        self._plain = (escaped_prefix + plain).encode()
+        self._plain_arguments = tuple(name for name in parts[1::2] if slots[name] == "%s")
+
+    def executed(self, cursor: Any, params: dict[str, Any]) -> bytes:
+        """``EXECUTE`` of the prepared statement with ``params`` (:attr:`arguments`) as literals."""
+        return self._execute % tuple([_literal(cursor, params[name]) for name in self.arguments])
+
+    def plain(self, cursor: Any, params: dict[str, Any]) -> bytes:
+        """The statement itself with ``params`` as literals (no statement prepared)."""
+        values = [_literal(cursor, params[name]) for name in self._plain_arguments]
+        return self._plain % tuple(values)
+
+
+#: Text that is a valid SQL string literal between single quotes whatever the server's
+#: ``standard_conforming_strings``: printable ASCII without ``'`` or ``\``.
+_PLAIN_TEXT = re.compile(r"[ -&(-\[\]-~]*").fullmatch
+
+
+def _plain_literal(value: Any) -> bytes | None:
+    """``value`` as an SQL literal when it needs no quoting rules of a connection; else ``None``."""
+    kind = type(value)
+    if kind is str:
+        if _PLAIN_TEXT(value):
+            ascii_text: bytes = value.encode("ascii")
+            return b"'" + ascii_text + b"'"
+    elif kind is int:
+        if value >= 0:  # psycopg2 writes a space before a minus sign
+            return b"%d" % value
+    elif value is None:
+        return b"NULL"
+    elif kind is bool:
+        return b"true" if value else b"false"
+    return None
+
+
+def _literal(cursor: Any, value: Any) -> bytes:
+    """``value`` as an SQL literal, as psycopg2 would write it for this cursor.
+
+    psycopg2 builds an adapter object per parameter (about 1.3 µs each, 8 per claim);
+    the values of our statements are mostly hex digests, plain ASCII and small
+    integers, written here directly. Anything else goes through psycopg2's own
+    quoting for the cursor's connection (its encoding, its escaping rules).
+    """
+    literal = _plain_literal(value)
+    if literal is None:
+        literal = cursor.mogrify("%s", (value,))
+    return literal
 
 
 class DirectStatements:
@@ -101,11 +184,16 @@ class DirectStatements:
         )
 
     def compile(
-        self, statement: Any, record_values: Callable[[Any], Any] | None = None, prefix: str = ""
+        self,
+        statement: Any,
+        record_values: Callable[[Any], Any] | None = None,
+        prefix: str = "",
+        body_at: int | None = None,
     ) -> DirectSQL:
-        """``statement`` compiled for the direct path (``prefix``: SQL run before it)."""
+        """``statement`` compiled for the direct path (``prefix``: SQL run before it;
+        ``body_at``: the result column of a stored body)."""
         return DirectSQL(
-            statement.compile(dialect=self._dialect), self._dialect, record_values, prefix
+            statement.compile(dialect=self._dialect), self._dialect, record_values, prefix, body_at
         )
 
     def fetchone(
@@ -119,15 +207,25 @@ class DirectStatements:
         ``PREPARE`` and ``EXECUTE`` in one round trip, later ones ``EXECUTE``.
         """
         if not self.prepare:
-            cursor.execute(statement.sql, params)
-            return cursor.fetchone()
-        prepared = info.setdefault(_PREPARED, set())
-        if statement.name in prepared:
-            cursor.execute(statement.execute, params)
+            cursor.execute(statement.plain(cursor, params))
         else:
-            cursor.execute(f"{statement.prepare}; {statement.execute}", params)
-            prepared.add(statement.name)
-        return cursor.fetchone()
+            prepared = info.get(_PREPARED)
+            if prepared is None:
+                prepared = info[_PREPARED] = set()
+            if statement.name in prepared:
+                cursor.execute(statement.executed(cursor, params))
+            else:
+                cursor.execute(statement.prepare + b"; " + statement.executed(cursor, params))
+                prepared.add(statement.name)
+        row = cursor.fetchone()
+        at = statement.body_at
+        if at is not None and row is not None:
+            body = row[at]
+            if body is not None and len(body) > _KEPT_RESULT_BYTES:
+                # The cursor holds its last result until its next statement: a big one
+                # is let go with this cursor rather than kept by the pooled connection.
+                info.pop(_CURSOR, None)
+        return row
 
     def run(self, sql: str, work: Callable[[Any, dict[str, Any]], T]) -> T:
         """``work(cursor, info)`` on one pooled connection (``info``: the pool's dictionary
@@ -148,41 +246,83 @@ class DirectStatements:
         return self._run_once(sql, work)
 
     def _run_once(self, sql: str, work: Callable[[Any, dict[str, Any]], T]) -> T:
+        pool = self._engine.pool  # read each time: a forked child's engine has a new one
+        lean = self._lean(pool)
         try:
-            conn = self._engine.pool.connect()
+            if lean:
+                entry: Any = pool._do_get()
+                try:
+                    dbapi_connection = entry.get_connection()  # reconnects a stale one
+                except BaseException as exc:
+                    entry._checkin_failed(exc, _fairy_was_created=False)
+                    raise
+            else:
+                entry = pool.connect()
+                dbapi_connection = entry.dbapi_connection
         except self._error as exc:
             raise self._wrap(exc, sql, None, None) from exc
+        info = entry.info
         cursor = None  # making it can fail too (a connection closed on the client side)
         try:
-            cursor = conn.dbapi_connection.cursor()  # type: ignore[union-attr]
-            try:
-                return work(cursor, conn.info)
-            finally:
-                cursor.close()
+            # One cursor per pooled connection, kept for its next statement: making and
+            # closing one per statement cost about 5 µs (issue 11). A reconnected entry
+            # starts with an empty ``info``, so a cursor never outlives its connection.
+            cursor = info.get(_CURSOR)
+            if cursor is None:
+                cursor = info[_CURSOR] = dbapi_connection.cursor()
+            return work(cursor, info)
         except self._error as exc:
-            wrapped = self._wrap(exc, sql, conn, cursor)
-            if conn.is_valid and _PREPARED in conn.info:
+            info.pop(_CURSOR, None)  # after a failure, the next statement gets a new one
+            wrapped = self._wrap(exc, sql, entry, cursor)
+            if entry.dbapi_connection is not None and _PREPARED in info:
                 # Which statements the server kept for this connection is unknown now:
                 # start afresh on a new connection.
-                conn.invalidate(exc)
+                entry.invalidate(exc)
                 if getattr(exc, "pgcode", None) == _REPLANNED_RESULT:
                     wrapped.connection_invalidated = True  # a fresh connection will do: retried
             raise wrapped from exc
         except BaseException as exc:
             # Interrupted mid-statement (a timeout, an exit): the connection's state
             # is unknown, so it never returns to the pool as it is (as SQLAlchemy does).
-            conn.invalidate(exc)
+            info.pop(_CURSOR, None)
+            entry.invalidate(exc)
             raise
         finally:
-            conn.close()  # back to the pool, or closed when invalidated
+            # Back to the pool (reconnected on its next use when invalidated).
+            if lean:
+                entry.checkin(_fairy_was_created=False)
+            else:
+                entry.close()
 
-    def _wrap(self, exc: Exception, sql: str, conn: Any, cursor: Any) -> DBAPIError:
-        dbapi_conn = None if conn is None else conn.dbapi_connection
+    @staticmethod
+    def _lean(pool: Any) -> bool:
+        """Whether a statement may take its connection's pool entry directly, without the
+        proxy object SQLAlchemy wraps around a checked-out connection.
+
+        The proxy's checkout and return cost more CPU than the statement's own work
+        in psycopg2 (issue 11); what they add is needed only for a pre-ping, for
+        checkout, checkin or reset listeners, and for the rollback on return, which
+        in this pool's autocommit mode has no transaction to end. The entry itself
+        still reconnects a recycled, invalidated or dead connection, and the pool
+        keeps its size, overflow and timeout. Any other pool class takes the
+        ordinary checkout. (``_do_get``, ``get_connection``, ``checkin`` and
+        ``_checkin_failed`` are what the proxy itself calls, the same since SQLAlchemy 2.0.0.)
+        """
+        if type(pool) is not QueuePool or pool._pre_ping:
+            return False
+        dispatch = pool.dispatch
+        return not (dispatch.checkout or dispatch.checkin or dispatch.reset)
+
+    def _wrap(self, exc: Exception, sql: str, entry: Any, cursor: Any) -> DBAPIError:
+        """``exc`` as SQLAlchemy raises it; ``entry``: the connection it came from (a pool
+        entry or a checked-out connection), or ``None``."""
+        dbapi_conn = None if entry is None else entry.dbapi_connection
         dead = bool(self._dialect.is_disconnect(exc, dbapi_conn, cursor))  # type: ignore[arg-type]
-        if dead and conn is not None and conn.is_valid:
+        if dead and dbapi_conn is not None:
             # The server went away: every connection made before now is suspect, as
             # SQLAlchemy decides on a disconnect (``invalidate_pool_on_disconnect``).
-            self._engine.pool._invalidate(conn, exc)  # invalidates ``conn`` too
+            self._engine.pool._invalidate(entry, exc, _checkin=False)
+            entry.invalidate(exc)
         return DBAPIError.instance(  # type: ignore[return-value]
             sql,
             None,

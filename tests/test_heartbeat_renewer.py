@@ -85,3 +85,53 @@ def test_i12_1_c44_max_runtime_stops_renewing(store: DurableStore) -> None:
         assert record is not None and not record.lease_live
     finally:
         heartbeat.stop(lease)
+
+
+class CountingCondition(threading.Condition):
+    """A condition that counts how often waiters are woken and how often one waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.notified = 0
+        self.waits = 0
+
+    def notify_all(self) -> None:
+        self.notified += 1
+        super().notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        return super().wait(timeout)
+
+
+def test_c44_a_new_lease_wakes_the_renewer_only_if_due_before_its_next_round(
+    store: DurableStore,
+) -> None:
+    """Every first execution registers a lease: waking the renewal thread for each one
+    (a thread switch and a scan of every lease) is wasted unless the new lease is due
+    before the thread would wake anyway; a lease due sooner still wakes it."""
+    renewer = heartbeat.Renewer()
+    cond = renewer._cond = CountingCondition()
+    leases = [
+        heartbeat.Lease(store, claim(store, 30)[1], 30, 60, lambda reason: None) for _ in range(6)
+    ]
+    urgent_ident, urgent_claim = claim(store, 0.3)
+    urgent = heartbeat.Lease(store, urgent_claim, 0.3, 60, lambda reason: None)
+    try:
+        renewer.add(leases[0])  # starts the thread, which waits about 10 s for its next round
+        wait_until(lambda: cond.waits >= 1, "the renewal thread waiting")
+        for lease in leases[1:]:
+            renewer.add(lease)  # due in 10 s: later than the thread's next round
+        assert cond.notified == 0
+        renewer.add(urgent)  # due in 0.1 s: sooner
+        assert cond.notified == 1
+        wait_until(
+            lambda: urgent.next_due > urgent.started + 0.2,  # renewed at least once
+            "the urgent lease's renewal",
+            within=5,
+        )
+        record = store.get(urgent_ident.key_digest)
+        assert record is not None and record.lease_live and urgent.lost is None
+    finally:
+        for lease in [*leases, urgent]:
+            renewer.remove(lease)

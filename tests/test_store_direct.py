@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import URL
 
 from flask_idempotency import idempotent
-from flask_idempotency.records import Identity, Record, StoredResponse
+from flask_idempotency.records import Claim, Identity, Record, StoredResponse
 from flask_idempotency.store import DurableStore, StoreError, StoreMisconfigured
 from flask_idempotency.store_direct import DirectStatements
 
@@ -282,3 +282,166 @@ def test_i11_c26_pooled_connection_closed_on_the_client_is_invalidated_and_retri
     claim = store.acquire(identity_of("closed-2"), ttl=60, lease=30)
     assert not isinstance(claim, Record)
     assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+
+
+AWKWARD_TEXT = ["", "plain", "o'brien", "back\\slash", "%(p_scope)s", "100%", "é ü €", "tab\there"]
+
+
+def test_i11_literals_are_written_exactly_as_psycopg2_writes_them(store) -> None:
+    """The direct path writes its parameters into the statement itself: byte for byte
+    what psycopg2's own quoting writes, for every kind of value the store sends."""
+    from flask_idempotency.store_direct import _literal
+
+    values: list[Any] = [*AWKWARD_TEXT, 0, 7, 2**62, -3, True, False, None]
+    values += [b"", b"\x00\xff'\\", memoryview(b"ab"), 1.5]
+    pool = store._single()
+    assert pool is not None
+    conn = pool.raw_connection()
+    try:
+        cursor = conn.cursor()
+        for value in values:
+            assert _literal(cursor, value) == cursor.mogrify("%s", (value,)), value
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "plain"])
+def test_i11_c9_awkward_values_round_trip_on_the_direct_path(store, runs, prepared) -> None:
+    """C9: quotes, backslashes, percent signs and non-ASCII text in the scope, path and
+    stored headers, and any bytes in the body, come back exactly, with and without
+    prepared statements (a transaction pooler turns them off)."""
+    store.acquire(identity_of("warm"), ttl=60, lease=30)  # sets up the direct path
+    direct = store._direct()
+    assert direct is not None
+    direct.prepare = prepared
+    for i, awkward in enumerate(AWKWARD_TEXT):
+        digest = (uuid.uuid4().hex + uuid.uuid4().hex)[:64]
+        ident = Identity(f"scope {awkward}", digest, "f" * 64, "POST", f"/{i}/{awkward}")
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        headers = (("X-Note", awkward), ("ETag", f'"{i}"'))
+        response = StoredResponse(200, headers, bytes(range(256)))
+        assert store.complete(claim, response) == claim.expires_at_ms
+        replay = store.acquire(ident, ttl=60, lease=30)
+        assert isinstance(replay, Record) and replay.response == response
+        assert (replay.scope, replay.path) == (ident.scope, ident.path)
+    assert runs  # every statement above ran on the direct path
+
+
+def terminate_pooled_connections(store: DurableStore) -> int:
+    with store.autocommit.connect() as admin:
+        killed: int = admin.execute(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE application_name = :name AND pid <> pg_backend_pid()"
+            ),
+            {"name": store.table.name},
+        ).scalar_one()
+    return killed
+
+
+def test_i11_c26_every_statement_returns_its_connection_to_the_pool(store, runs) -> None:
+    """The direct path takes its connection from the pool's entries itself: after
+    replays, completions, a lost lease, a schema error and a dead connection, nothing
+    is left checked out, and the pool never grows past its size."""
+    pool = store._single()
+    assert pool is not None
+    for i in range(5):
+        ident = identity_of(f"returned-{i}")
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+        assert isinstance(store.acquire(ident, ttl=60, lease=30), Record)
+        assert pool.pool.checkedout() == 0  # type: ignore[attr-defined]
+    assert terminate_pooled_connections(store) >= 1
+    assert not isinstance(store.acquire(identity_of("returned-dead"), ttl=60, lease=30), Record)
+    assert pool.pool.checkedout() == 0  # type: ignore[attr-defined]
+    assert pool.pool.size() == 3 and pool.pool.overflow() <= 0  # type: ignore[attr-defined]
+
+
+def test_i11_pool_listeners_still_see_every_checkout(store, runs) -> None:
+    """An app's ``checkout``/``checkin`` listeners on the pool (pool metrics, a per-checkout
+    setting) see the direct path's connections as before: it steps aside for them."""
+    store.acquire(identity_of("listened-warm"), ttl=60, lease=30)
+    pool = store._single()
+    assert pool is not None
+    seen: list[str] = []
+
+    def on_checkout(*args: Any) -> None:
+        seen.append("checkout")
+
+    def on_checkin(*args: Any) -> None:
+        seen.append("checkin")
+
+    event.listen(pool.pool, "checkout", on_checkout)
+    event.listen(pool.pool, "checkin", on_checkin)
+    ident = identity_of("listened")
+    claim = store.acquire(ident, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+    assert seen == ["checkout", "checkin"] * 2
+
+
+def test_i11_c26_a_pre_pinging_pool_replaces_a_dead_connection_before_the_statement(
+    pg_url: URL, runs
+) -> None:
+    """``pool_pre_ping=True``: the ping on checkout still runs on the direct path, so a
+    connection the server dropped is replaced before the statement (no failed attempt)."""
+    url = driver_url(pg_url, "psycopg2")
+    name = f"idem_ping_{uuid.uuid4().hex[:10]}"
+    store = DurableStore(
+        lambda: create_engine(
+            url, pool_size=1, pool_pre_ping=True, connect_args={"application_name": name}
+        ),
+        table_name=name,
+        create_table=True,
+    )
+    try:
+        store.acquire(identity_of("ping-warm"), ttl=60, lease=30)
+        runs.clear()
+        assert terminate_pooled_connections(store) >= 1
+        claim = store.acquire(identity_of("ping"), ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        assert len(runs) == 1  # without the ping: a failed run, then the retry
+    finally:
+        store.table.drop(store.engine, checkfirst=True)
+        store.engine.dispose()
+
+
+def test_i11_c14_c20_release_runs_on_the_direct_path_fenced_by_the_token(store, runs) -> None:
+    """C14/C20: a release is one fenced DELETE on the direct path: a stranger's token
+    deletes nothing, the owner's deletes the record, and the key can be claimed anew."""
+    ident = identity_of("release-1")
+    claim = store.acquire(ident, ttl=60, lease=30)
+    assert not isinstance(claim, Record)
+    runs.clear()
+    stranger = Claim(claim.record_id, "0" * 32, claim.expires_at_ms, "new")
+    assert store.release(stranger) is False
+    assert store.get(ident.key_digest) is not None
+    assert store.release(claim) is True
+    assert store.get(ident.key_digest) is None
+    assert len(runs) == 4
+    assert not isinstance(store.acquire(ident, ttl=60, lease=30), Record)
+
+
+def test_i11_a_kept_cursor_never_keeps_a_large_stored_body_alive(store, runs) -> None:
+    """Each pooled connection keeps one cursor for its next statement, and a cursor holds
+    its last result: a replay of a large body lets that cursor go with it."""
+    from flask_idempotency.store_direct import _CURSOR, _KEPT_RESULT_BYTES
+
+    pool = store._single()
+    assert pool is not None
+    for size, kept in ((100, True), (_KEPT_RESULT_BYTES + 1, False)):
+        ident = identity_of(f"kept-{size}")
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        response = StoredResponse(201, (), b"x" * size)
+        assert store.complete(claim, response) == claim.expires_at_ms
+        replay = store.acquire(ident, ttl=60, lease=30)
+        assert isinstance(replay, Record) and replay.response == response
+        # Statements one at a time: the pool has made one connection, the one just used.
+        entry = pool.pool._do_get()  # type: ignore[attr-defined]
+        try:
+            assert (_CURSOR in entry.info) is kept, size
+        finally:
+            entry.checkin(_fairy_was_created=False)
