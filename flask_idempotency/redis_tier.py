@@ -271,8 +271,11 @@ class _Reader:
 
     _KEPT = 16
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, *, retry_broken: bool = True) -> None:
         self._pool = pool
+        #: Resend once on a broken connection; a cluster node's reader does not: its caller
+        #: re-routes through the cluster client, which refreshes the slot map and retries.
+        self._retry_broken = retry_broken
         self._idle: list[Any] = []
         self._pid = os.getpid()
         self._kept = max(1, min(self._KEPT, int(pool.max_connections) // 4))
@@ -308,6 +311,8 @@ class _Reader:
                 conn.send_packed_command(packed)
                 values = [conn.read_response() for _ in range(replies)]
             except _connection_error():
+                if not self._retry_broken:
+                    raise
                 # redis-py has closed it; one more try on a new socket, as its Retry does
                 conn.send_packed_command(packed)
                 values = [conn.read_response() for _ in range(replies)]
@@ -368,12 +373,13 @@ def _connection_error() -> type[BaseException]:
     return redis.ConnectionError
 
 
-def _reader_for(client: Any) -> _Reader | None:
+def _reader_for(client: Any, *, retry_broken: bool = True) -> _Reader | None:
     """The fast ``GET`` for ``client``, or ``None`` when it is not a plain one.
 
     Plain: a ``redis.Redis`` on a ``redis.ConnectionPool`` of TCP, TLS or Unix
     socket connections, with no client-side cache and no pinned connection.
     Anything else (Sentinel, Cluster, fakes, wrappers) uses ``client.get``.
+    ``retry_broken`` applies to the reader made now (one per pool).
     """
     try:
         import redis
@@ -397,11 +403,30 @@ def _reader_for(client: Any) -> _Reader | None:
         return None
     reader: _Reader | None = attributes.get(_READER_ATTR)
     if reader is None:
-        reader = attributes.setdefault(_READER_ATTR, _Reader(pool))
+        reader = attributes.setdefault(_READER_ATTR, _Reader(pool, retry_broken=retry_broken))
     if not client.__dict__.get(_FINALIZER_ATTR):  # once per client, however many apps
         client.__dict__[_FINALIZER_ATTR] = True
         weakref.finalize(client, reader.close_kept)
     return reader
+
+
+def cluster_node_reader(node_client: Any) -> _Reader | None:
+    """The fast path on one cluster node's client (see :class:`~.redis_topology.DirectCluster`):
+    made once per node pool, then one attribute look-up per command. It never resends
+    on a broken connection; the cluster client does, after refreshing its slot map."""
+    reader: _Reader | None = getattr(
+        getattr(node_client, "connection_pool", None), _READER_ATTR, None
+    )
+    if reader is None:
+        reader = _reader_for(node_client, retry_broken=False)
+    return reader
+
+
+def direct_cluster(cluster: Any) -> Any:
+    """``cluster`` with its hot commands sent straight to the slot owner, pre-packed."""
+    from .redis_topology import DirectCluster
+
+    return DirectCluster(cluster, reader_for=cluster_node_reader)
 
 
 class RedisCache:
@@ -836,7 +861,7 @@ class RedisTier:
         }
         if client is not None:
             if topology.is_cluster_client(client):
-                bounded = topology.DirectCluster(
+                bounded = direct_cluster(
                     topology.bounded_cluster(
                         client, socket_timeout=timeout, connect_timeout=timeout
                     )
@@ -881,7 +906,7 @@ class RedisTier:
         if kind == "cluster":
             # RedisCluster reads the slot map when built: not at init_app, on first use.
             build_commands: Callable[[], Any] = lambda: _Lazy(  # noqa: E731
-                lambda: topology.DirectCluster(
+                lambda: direct_cluster(
                     topology.cluster_from_url(url, socket_timeout=timeout, connect_timeout=timeout)
                 )
             )

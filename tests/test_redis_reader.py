@@ -71,6 +71,21 @@ def test_c24_a_restart_leaves_stale_sockets_that_are_retried_once_not_an_outage(
     assert cache.get("d1") == RECORD
 
 
+def test_c24_a_cluster_node_reader_does_not_resend_on_a_broken_connection(redis_server):
+    """A reader made with ``retry_broken=False`` (a cluster node's) raises on a stale socket
+    instead of resending: ``DirectCluster`` re-routes through the cluster client, which
+    refreshes its slot map first."""
+    import redis
+
+    client = redis_tier._client_from_url(redis_server.url, socket_timeout=0.5, connect_timeout=0.5)
+    reader = redis_tier._Reader(client.connection_pool, retry_broken=False)
+    assert reader.get(b"absent") is None
+    redis_server.restart()
+    with pytest.raises(redis.ConnectionError):
+        reader.get(b"absent")
+    assert reader.get(b"absent") is None  # that socket was closed; the next one is new
+
+
 def test_c24_a_silent_server_times_out_into_an_outage_and_the_socket_is_closed():
     """A Redis that accepts and never answers costs one timeout, then the back-off."""
     listener = socket.create_server(("127.0.0.1", 0))

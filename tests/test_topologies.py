@@ -277,13 +277,15 @@ def test_i15_cluster_cache_commands_go_straight_to_the_slot_owner_and_follow_mov
     cluster: RedisCluster3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``DirectCluster``: a ``GET``/``SET``/``SPUBLISH`` goes to the slot owner's client
-    without ``RedisCluster``'s per-command routing (~30 us CPU less per command); with a
-    stale slot map the ``MOVED`` answer is retried through the cluster client (right
-    answer, map refreshed)."""
-    from flask_idempotency.redis_topology import DirectCluster, cluster_from_url
+    without ``RedisCluster``'s per-command routing (~30 us CPU less per command), the
+    ``GET`` pre-packed on that node's kept connection as on one node; with a stale slot
+    map the ``MOVED`` answer is retried through the cluster client (right answer, map
+    refreshed)."""
+    from flask_idempotency.redis_tier import cluster_node_reader, direct_cluster
+    from flask_idempotency.redis_topology import cluster_from_url
 
     inner = cluster_from_url(cluster.url, socket_timeout=1.0, connect_timeout=1.0)
-    direct = DirectCluster(inner)
+    direct = direct_cluster(inner)
     routed = collections.Counter[str]()
     real_execute = inner.execute_command
 
@@ -298,6 +300,8 @@ def test_i15_cluster_cache_commands_go_straight_to_the_slot_owner_and_follow_mov
     direct.spublish("idem:done:{w1}", "x")
     assert sum(routed.values()) == 0, routed
     owner = inner.get_node_from_key(key)
+    reader = cluster_node_reader(inner.get_redis_connection(owner))
+    assert reader is not None and reader._idle, "the GET's connection is kept for the next"
     wrong = next(n for n in inner.get_primaries() if n.name != owner.name)
     monkeypatch.setattr(inner, "get_node_from_key", lambda *_a, **_k: wrong)
     assert direct.get(key) == b"v"  # MOVED from the wrong node: re-routed
