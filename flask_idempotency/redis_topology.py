@@ -151,6 +151,8 @@ class _PrePacked(Protocol):
 
     def get(self, name: bytes) -> Any: ...
 
+    def run_together(self, commands: list[tuple[Any, ...]]) -> list[Any]: ...
+
 
 class DirectCluster:
     """A ``RedisCluster`` whose hot single-key commands (the cache's ``GET``/``SET``/``DEL``
@@ -160,10 +162,11 @@ class DirectCluster:
     ``RedisCluster.execute_command`` re-derives the target on every call: about 30 us of
     CPU more than the same command on one node (measured 64 vs 35 us per ``GET``), paid on
     every replay and wake-up. With ``reader_for`` (the node's pre-packed fast path) a
-    ``GET`` skips redis-py's per-command machinery too, as on one node. Anything unusual
-    (a moved slot, a dead node, ``CLUSTERDOWN``) is retried once through the cluster
-    client, which refreshes the slot map as usual; a timeout is not retried (C24: one
-    bounded wait). Everything else passes through.
+    ``GET`` and the completion's ``SET`` + ``SPUBLISH`` skip redis-py's per-command
+    machinery too, as on one node. Anything unusual (a moved slot, a dead node,
+    ``CLUSTERDOWN``) is retried once through the cluster client, which refreshes the
+    slot map as usual; a timeout is not retried (C24: one bounded wait). Everything
+    else passes through.
     """
 
     def __init__(
@@ -195,6 +198,49 @@ class DirectCluster:
 
     def spublish(self, channel: str, message: Any) -> Any:
         return self._direct("spublish", channel, channel, message)
+
+    def set_and_publish(
+        self, name: str, value: bytes, ttl_ms: int, command: str, channel: str, message: str
+    ) -> bool:
+        """``SET name value PX ttl_ms``, then ``command channel message`` (``SPUBLISH``, or
+        ``PUBLISH`` before Redis 7), pre-packed in one write on the connection of the node
+        that owns ``name``'s slot, both replies read: the completion's one round trip, as on
+        one node. The server runs them in the order sent (C23).
+
+        ``False`` when they cannot go together: no fast path or slot map, a ``SPUBLISH``
+        channel that the slot map puts on another master (a slot moved since its tag was
+        chosen), a broken connection, or a ``MOVED``/``ASK``/``TRYAGAIN``/``CLUSTERDOWN``
+        reply to either. The caller then sends them as two commands, which re-route
+        through the cluster client; whatever already went through is sent again, which
+        is harmless (the same value; a wake-up is only a hint to re-read). Any other
+        error (a timeout, an error reply) is raised.
+        """
+        cluster = self._cluster
+        try:
+            node = cluster.get_node_from_key(name)
+            if command == "SPUBLISH" and cluster.get_node_from_key(channel).name != node.name:
+                return False
+            reader = (
+                None
+                if self._reader_for is None
+                else self._reader_for(cluster.get_redis_connection(node))
+            )
+        except Exception:
+            return False
+        if reader is None:
+            return False
+        try:
+            replies = reader.run_together(
+                [("SET", name, value, "PX", ttl_ms), (command, channel, message)]
+            )
+        except _rerouted():
+            return False
+        for reply in replies:
+            if isinstance(reply, Exception):
+                if isinstance(reply, _rerouted()):
+                    return False
+                raise reply
+        return True
 
     def _owner_client(self, key: str) -> Any:
         cluster = self._cluster

@@ -71,6 +71,27 @@ def test_c24_a_restart_leaves_stale_sockets_that_are_retried_once_not_an_outage(
     assert cache.get("d1") == RECORD
 
 
+def test_c23_commands_sent_together_each_get_their_own_reply_and_an_error_reply_is_kept(
+    redis_server,
+):
+    """``run_together`` (the cluster's ``SET`` + ``SPUBLISH``): an error reply to one
+    command is handed back, not raised, and the replies after it are still read, so the
+    connection stays in step and is reused."""
+    import redis
+
+    cache = fast_cache(redis_server.url)
+    reader = cache._reader
+    replies = reader.run_together(
+        [("SET", "together", "v"), ("INCR", "together"), ("GET", "together")]
+    )
+    assert replies[0] == b"OK" and replies[2] == b"v"
+    assert isinstance(replies[1], redis.ResponseError)
+    kept = list(reader._idle)
+    assert kept and all(conn._sock is not None for conn in kept)
+    assert reader.get(b"together") == b"v"  # the same connection, reply by reply in step
+    assert reader._idle == kept
+
+
 def test_c24_a_cluster_node_reader_does_not_resend_on_a_broken_connection(redis_server):
     """A reader made with ``retry_broken=False`` (a cluster node's) raises on a stale socket
     instead of resending: ``DirectCluster`` re-routes through the cluster client, which

@@ -309,6 +309,171 @@ def test_i15_cluster_cache_commands_go_straight_to_the_slot_owner_and_follow_mov
     inner.close()
 
 
+# -- C23 on a cluster: the completion's one round trip ----------------------------------------
+
+
+class _Trace:
+    """What a cluster completion sent: the pre-packed pairs (with their replies), the
+    commands routed through ``RedisCluster``, and the direct ``SET``/``SPUBLISH`` calls."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, svc: Svc) -> None:
+        from flask_idempotency import redis_tier, redis_topology
+
+        self.events: list[tuple[str, ...]] = []
+        real_together = redis_tier._Reader.run_together
+
+        def together(reader: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+            replies = real_together(reader, commands)
+            self.events.append(
+                (
+                    "together",
+                    *(f"{c[0]}:{type(r).__name__}" for c, r in zip(commands, replies, strict=True)),
+                )
+            )
+            return replies
+
+        monkeypatch.setattr(redis_tier._Reader, "run_together", together)
+        for command in ("set", "spublish"):
+            real_direct = getattr(redis_topology.DirectCluster, command)
+
+            def direct(
+                self_: Any, *args: Any, _c: str = command, _r: Any = real_direct, **kw: Any
+            ) -> Any:
+                self.events.append(("direct", _c.upper()))
+                return _r(self_, *args, **kw)
+
+            monkeypatch.setattr(redis_topology.DirectCluster, command, direct)
+        self.inner = svc.state.cache._client._cluster  # the RedisCluster behind DirectCluster
+        real_execute = self.inner.execute_command
+
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            self.events.append(("routed", str(args[0]).upper()))
+            return real_execute(*args, **kwargs)
+
+        monkeypatch.setattr(self.inner, "execute_command", routed)
+
+
+def _messages(svc: Svc) -> int:
+    return int(svc.state.wakeups.channel.listener.messages)
+
+
+def _eventually(check: Any) -> bool:
+    deadline = time.monotonic() + EVENTUALLY
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(check())
+
+
+def _completed() -> Any:
+    from flask_idempotency.records import Completed, StoredResponse
+
+    return Completed(
+        "f" * 64,
+        int(time.time() * 1000) + 3_600_000,
+        StoredResponse(201, (("Content-Type", "application/json"),), b'{"ok": true}\n'),
+    )
+
+
+def _holds(node: Any, name: str) -> bool:
+    return redis_cli(node.port, "EXISTS", name).strip() == "1"
+
+
+def test_i15_c23_a_cluster_completion_is_one_round_trip_on_the_slot_owner(
+    make_svc: Any, cluster: RedisCluster3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record's ``SET`` and its shard's ``SPUBLISH`` go pre-packed in one write on the
+    connection of the master that owns the record's slot, ``SET`` first (C23), as on one
+    node: no second round trip, nothing routed through ``RedisCluster``; the other
+    process hears every wake-up and every replay comes from the cache."""
+    owner, waiter = make_svc(cluster.url), make_svc(cluster.url)
+    assert owner.post("warm").status_code == 201
+    _listening(waiter)
+    trace = _Trace(monkeypatch, owner)
+    heard = _messages(waiter)
+    keys = [f"one-trip-{n}-{uuid.uuid4().hex[:6]}" for n in range(6)]  # on every shard, likely
+    for key in keys:
+        assert owner.post(key).status_code == 201
+    assert trace.events == [("together", "SET:bytes", "SPUBLISH:int")] * 6, trace.events
+    assert _eventually(lambda: _messages(waiter) >= heard + 6)
+    owner.sources.clear()
+    for key in keys:
+        assert owner.post(key).headers["Idempotent-Replayed"] == "true"
+    assert owner.sources == ["cache"] * 6, owner.sources
+
+
+def test_i15_c23_c24_a_slot_moved_under_the_completion_falls_back_to_two_commands(
+    make_svc: Any, cluster: RedisCluster3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stale slot map sends the pair to a master that no longer owns the record's slot:
+    the ``SET`` answers ``MOVED`` (the ``SPUBLISH``, on that master's own channel, goes
+    through). The completion then sends the two commands again, each routed: the copy
+    lands on the slot's real owner, and the last wake-up follows it (C23); no outage
+    starts and nothing is lost (C24)."""
+    owner, waiter = make_svc(cluster.url), make_svc(cluster.url)
+    assert owner.post("warm").status_code == 201
+    _listening(waiter)
+    trace = _Trace(monkeypatch, owner)
+    cache, inner = owner.state.cache, trace.inner
+    digest = uuid.uuid4().hex * 2
+    name = cache.record_name(digest)
+    right = inner.get_node_from_key(name)
+    wrong = next(node for node in inner.get_primaries() if node.name != right.name)
+    real = inner.get_node_from_key
+    stale = {name, f"{{{digest}}}"}  # the record's key and its hash tag: where the map errs
+    monkeypatch.setattr(
+        inner, "get_node_from_key", lambda key, replica=False: wrong if key in stale else real(key)
+    )
+    heard = _messages(waiter)
+    record = _completed()
+    owner.state.announce_completed(digest, record)
+    assert trace.events[0] == ("together", "SET:MovedError", "SPUBLISH:int"), trace.events
+    assert trace.events[1:] == [
+        ("direct", "SET"),
+        ("routed", "SET"),  # MOVED again from the stale map: routed to the real owner
+        ("direct", "SPUBLISH"),  # after the copy exists (C23)
+    ], trace.events
+    assert _holds(right, name) and not _holds(wrong, name)
+    assert _eventually(lambda: _messages(waiter) >= heard + 2)  # the early hint and the last
+    assert not cache.outage_for(digest).down and not cache.outage.down
+    assert cache.get(digest) == record
+
+
+def test_i15_c23_a_shard_channel_on_another_master_goes_as_two_commands(
+    make_svc: Any, cluster: RedisCluster3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the slot map no longer puts the record's key and its shard channel on one
+    master, nothing is sent together: the ``SET`` and then the ``SPUBLISH`` go as two
+    commands, each to its own slot's owner (the ``SPUBLISH`` re-routed on ``MOVED``)."""
+    owner, waiter = make_svc(cluster.url), make_svc(cluster.url)
+    assert owner.post("warm").status_code == 201
+    _listening(waiter)
+    trace = _Trace(monkeypatch, owner)
+    cache, inner = owner.state.cache, trace.inner
+    digest = uuid.uuid4().hex * 2
+    route = owner.state.wakeups.channel.route(digest)
+    assert route is not None and route[0] == "SPUBLISH"
+    channel = route[1]
+    right = inner.get_node_from_key(channel)
+    wrong = next(node for node in inner.get_primaries() if node.name != right.name)
+    real = inner.get_node_from_key
+    monkeypatch.setattr(
+        inner,
+        "get_node_from_key",
+        lambda key, replica=False: wrong if key == channel else real(key),
+    )
+    heard = _messages(waiter)
+    owner.state.announce_completed(digest, _completed())
+    assert trace.events == [
+        ("direct", "SET"),
+        ("direct", "SPUBLISH"),
+        ("routed", "SPUBLISH"),
+    ], trace.events
+    name = cache.record_name(digest)
+    assert _holds(inner.get_node_from_key(name), name)
+    assert _eventually(lambda: _messages(waiter) >= heard + 1)
+    assert not cache.outage_for(digest).down
+
+
 # -- C10 ------------------------------------------------------------------------------------
 
 
