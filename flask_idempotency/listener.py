@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from . import process
@@ -333,6 +333,17 @@ def wait_readable(sockets: list[socket.socket], timeout: float) -> set[int]:
     for sock in sockets:
         poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
     return {fd for fd, _ in poller.poll(max(0, int(timeout * 1000) + 1))}
+
+
+def readable_now(fds: Iterable[int]) -> set[int]:
+    """Which of the file descriptors ``fds`` have data (or an error) right now; no wait."""
+    if not hasattr(select, "poll"):  # pragma: no cover - Windows
+        readable, _, _ = select.select(list(fds), [], [], 0)
+        return set(readable)
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return {fd for fd, _ in poller.poll(0)}
 
 
 def _close_quietly(pubsub: Any) -> None:

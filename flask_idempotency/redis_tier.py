@@ -271,8 +271,11 @@ class _Reader:
 
     _KEPT = 16
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, *, retry_broken: bool = True) -> None:
         self._pool = pool
+        #: Resend once on a broken connection; a cluster node's reader does not: its caller
+        #: re-routes through the cluster client, which refreshes the slot map and retries.
+        self._retry_broken = retry_broken
         self._idle: list[Any] = []
         self._pid = os.getpid()
         self._kept = max(1, min(self._KEPT, int(pool.max_connections) // 4))
@@ -293,7 +296,15 @@ class _Reader:
             commands.insert(0, ("SET", name, value, "PX", ttl_ms))
         self._run(commands, len(commands))
 
-    def _run(self, commands: list[Any], replies: int) -> list[Any]:
+    def run_together(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send ``commands`` in one write and read every reply; an error reply is returned
+        as its exception, not raised, so the caller sees what each command did (a
+        ``MOVED`` on one need not mean the other failed)."""
+        return self._run(commands, len(commands), errors_as_values=True)
+
+    def _run(
+        self, commands: list[Any], replies: int, *, errors_as_values: bool = False
+    ) -> list[Any]:
         """Send ``commands`` (pre-packed bytes, or argument tuples) and read ``replies``."""
         if self._pid != os.getpid():
             self._idle, self._pid = [], os.getpid()  # the parent's sockets: never touched
@@ -306,11 +317,13 @@ class _Reader:
         try:
             try:
                 conn.send_packed_command(packed)
-                values = [conn.read_response() for _ in range(replies)]
+                values = _read_replies(conn, replies, errors_as_values)
             except _connection_error():
+                if not self._retry_broken:
+                    raise
                 # redis-py has closed it; one more try on a new socket, as its Retry does
                 conn.send_packed_command(packed)
-                values = [conn.read_response() for _ in range(replies)]
+                values = _read_replies(conn, replies, errors_as_values)
         except BaseException:
             conn.disconnect()  # an error reply may leave the next one unread: never reuse
             self._put_back(conn)
@@ -343,6 +356,20 @@ class _Reader:
             self._pool.release(conn)
 
 
+def _read_replies(conn: Any, count: int, errors_as_values: bool) -> list[Any]:
+    if not errors_as_values:
+        return [conn.read_response() for _ in range(count)]
+    from redis.exceptions import ResponseError
+
+    values: list[Any] = []
+    for _ in range(count):
+        try:
+            values.append(conn.read_response())
+        except ResponseError as exc:  # the whole error reply was read: the stream is aligned
+            values.append(exc)
+    return values
+
+
 def _checkout_args(pool: Any) -> tuple[str, ...]:
     """What ``pool.get_connection`` needs: redis-py before 6 requires a command name,
     later releases take none (and warn when given one)."""
@@ -368,12 +395,13 @@ def _connection_error() -> type[BaseException]:
     return redis.ConnectionError
 
 
-def _reader_for(client: Any) -> _Reader | None:
+def _reader_for(client: Any, *, retry_broken: bool = True) -> _Reader | None:
     """The fast ``GET`` for ``client``, or ``None`` when it is not a plain one.
 
     Plain: a ``redis.Redis`` on a ``redis.ConnectionPool`` of TCP, TLS or Unix
     socket connections, with no client-side cache and no pinned connection.
     Anything else (Sentinel, Cluster, fakes, wrappers) uses ``client.get``.
+    ``retry_broken`` applies to the reader made now (one per pool).
     """
     try:
         import redis
@@ -397,11 +425,30 @@ def _reader_for(client: Any) -> _Reader | None:
         return None
     reader: _Reader | None = attributes.get(_READER_ATTR)
     if reader is None:
-        reader = attributes.setdefault(_READER_ATTR, _Reader(pool))
+        reader = attributes.setdefault(_READER_ATTR, _Reader(pool, retry_broken=retry_broken))
     if not client.__dict__.get(_FINALIZER_ATTR):  # once per client, however many apps
         client.__dict__[_FINALIZER_ATTR] = True
         weakref.finalize(client, reader.close_kept)
     return reader
+
+
+def cluster_node_reader(node_client: Any) -> _Reader | None:
+    """The fast path on one cluster node's client (see :class:`~.redis_topology.DirectCluster`):
+    made once per node pool, then one attribute look-up per command. It never resends
+    on a broken connection; the cluster client does, after refreshing its slot map."""
+    reader: _Reader | None = getattr(
+        getattr(node_client, "connection_pool", None), _READER_ATTR, None
+    )
+    if reader is None:
+        reader = _reader_for(node_client, retry_broken=False)
+    return reader
+
+
+def direct_cluster(cluster: Any) -> Any:
+    """``cluster`` with its hot commands sent straight to the slot owner, pre-packed."""
+    from .redis_topology import DirectCluster
+
+    return DirectCluster(cluster, reader_for=cluster_node_reader)
 
 
 class RedisCache:
@@ -519,9 +566,17 @@ class RedisCache:
         self, key_digest: str, record: Completed, ttl_ms: int, notifier: Any, event: str
     ) -> bool:
         """Promote and publish the wake-up in one round trip (C23), when ``notifier``
-        publishes on this cache's single-node Redis; ``False``, having done nothing,
-        otherwise. Never on a cluster: a pipeline there may not cross slots, and a
-        record's key and its shard's channel need not share one."""
+        publishes on this cache's Redis; ``False``, having done nothing, otherwise.
+
+        On a cluster both go to the master that owns the record's slot, whose shard
+        channel the wake-up uses (:meth:`_promote_and_publish_on_shard`)."""
+        if (
+            type(notifier) is ClusterNotifier
+            and self._shards is not None
+            and notifier._client is self._client
+            and notifier._shards is self._shards
+        ):
+            return self._promote_and_publish_on_shard(key_digest, record, ttl_ms, notifier, event)
         if not (
             type(notifier) is RedisNotifier
             and self._shards is None
@@ -551,6 +606,45 @@ class RedisCache:
             return True
         self._succeeded()
         return True
+
+    def _promote_and_publish_on_shard(
+        self, key_digest: str, record: Completed, ttl_ms: int, notifier: ClusterNotifier, event: str
+    ) -> bool:
+        """The record's ``SET`` and its shard's ``SPUBLISH`` in one write on the slot
+        owner's connection: the record's key and its shard channel are hash-tagged onto
+        the same master. ``False`` (two commands follow, each routed and checked on its
+        own) when the shard is in its back-off, the slot map no longer puts both on one
+        master, or a reply says the slot moved (``DirectCluster.set_and_publish``).
+
+        If the ``SET`` was redirected but the ``SPUBLISH`` went through, a waiter may wake
+        before the copy exists; it then reads the durable record (C22), and the two
+        commands that follow promote and publish again, in that order (C23).
+        """
+        outage = self.outage_for(key_digest)
+        if ttl_ms <= 0 or outage.down:
+            return False
+        try:
+            together = self._client.set_and_publish
+            route = notifier.route(key_digest)
+        except Exception:
+            return False  # no slot map yet: the two commands report the outage
+        if route is None:
+            return False
+        try:
+            done = together(
+                self.record_name(key_digest),
+                self._encode(record),
+                ttl_ms,
+                *route,
+                notifier.wakeup_payload(key_digest, event),
+            )
+        except Exception as exc:
+            notifier.forget_tags()
+            _report_failure(outage, exc, "promote", key_digest)
+            return True
+        if done:
+            _report_success(outage)
+        return bool(done)
 
     def discard(self, key_digest: str) -> None:
         if not self.outage_for(key_digest).allows():
@@ -700,6 +794,18 @@ class ClusterNotifier(RedisNotifier):
             tag = shard_tag_for_key(self._client, f"{{{key_digest}}}", self._tags)
         return tag
 
+    def route(self, key_digest: str) -> tuple[str, str] | None:
+        """The command and channel of this record's wake-up: ``SPUBLISH`` on the channel of
+        the master holding its slot (``None`` if none does), or ``PUBLISH`` before Redis 7."""
+        if not self._is_sharded():
+            return ("PUBLISH", self.channel)
+        tag = self._tag_for(key_digest)
+        return None if tag is None else ("SPUBLISH", self.shard_channel(tag))
+
+    def forget_tags(self) -> None:
+        """A failover or resharding: look at the slot map again before the next wake-up."""
+        self._tags = {}
+
     def publish(self, key_digest: str, event: str) -> None:
         outage = (
             self.outage
@@ -710,15 +816,16 @@ class ClusterNotifier(RedisNotifier):
             return
         payload = self.wakeup_payload(key_digest, event)
         try:
-            if self._is_sharded():
-                tag = self._tag_for(key_digest)
-                if tag is None:
-                    raise RuntimeError("no master owns this record's slot")
-                self._client.spublish(self.shard_channel(tag), payload)
+            route = self.route(key_digest)
+            if route is None:
+                raise RuntimeError("no master owns this record's slot")
+            command, channel = route
+            if command == "SPUBLISH":
+                self._client.spublish(channel, payload)
             else:
-                self._client.publish(self.channel, payload)
+                self._client.publish(channel, payload)
         except Exception as exc:
-            self._tags = {}  # a failover or resharding: look at the slot map again
+            self.forget_tags()
             _report_failure(outage, exc, "publish", key_digest)
             return
         _report_success(outage)
@@ -836,7 +943,7 @@ class RedisTier:
         }
         if client is not None:
             if topology.is_cluster_client(client):
-                bounded = topology.DirectCluster(
+                bounded = direct_cluster(
                     topology.bounded_cluster(
                         client, socket_timeout=timeout, connect_timeout=timeout
                     )
@@ -881,7 +988,7 @@ class RedisTier:
         if kind == "cluster":
             # RedisCluster reads the slot map when built: not at init_app, on first use.
             build_commands: Callable[[], Any] = lambda: _Lazy(  # noqa: E731
-                lambda: topology.DirectCluster(
+                lambda: direct_cluster(
                     topology.cluster_from_url(url, socket_timeout=timeout, connect_timeout=timeout)
                 )
             )

@@ -71,6 +71,42 @@ def test_c24_a_restart_leaves_stale_sockets_that_are_retried_once_not_an_outage(
     assert cache.get("d1") == RECORD
 
 
+def test_c23_commands_sent_together_each_get_their_own_reply_and_an_error_reply_is_kept(
+    redis_server,
+):
+    """``run_together`` (the cluster's ``SET`` + ``SPUBLISH``): an error reply to one
+    command is handed back, not raised, and the replies after it are still read, so the
+    connection stays in step and is reused."""
+    import redis
+
+    cache = fast_cache(redis_server.url)
+    reader = cache._reader
+    replies = reader.run_together(
+        [("SET", "together", "v"), ("INCR", "together"), ("GET", "together")]
+    )
+    assert replies[0] == b"OK" and replies[2] == b"v"
+    assert isinstance(replies[1], redis.ResponseError)
+    kept = list(reader._idle)
+    assert kept and all(conn._sock is not None for conn in kept)
+    assert reader.get(b"together") == b"v"  # the same connection, reply by reply in step
+    assert reader._idle == kept
+
+
+def test_c24_a_cluster_node_reader_does_not_resend_on_a_broken_connection(redis_server):
+    """A reader made with ``retry_broken=False`` (a cluster node's) raises on a stale socket
+    instead of resending: ``DirectCluster`` re-routes through the cluster client, which
+    refreshes its slot map first."""
+    import redis
+
+    client = redis_tier._client_from_url(redis_server.url, socket_timeout=0.5, connect_timeout=0.5)
+    reader = redis_tier._Reader(client.connection_pool, retry_broken=False)
+    assert reader.get(b"absent") is None
+    redis_server.restart()
+    with pytest.raises(redis.ConnectionError):
+        reader.get(b"absent")
+    assert reader.get(b"absent") is None  # that socket was closed; the next one is new
+
+
 def test_c24_a_silent_server_times_out_into_an_outage_and_the_socket_is_closed():
     """A Redis that accepts and never answers costs one timeout, then the back-off."""
     listener = socket.create_server(("127.0.0.1", 0))
