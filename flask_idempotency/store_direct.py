@@ -24,6 +24,7 @@ the ordinary path). Every other driver and mode runs through SQLAlchemy.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import re
 from collections.abc import Callable
@@ -162,6 +163,31 @@ def _literal(cursor: Any, value: Any) -> bytes:
     if literal is None:
         literal = cursor.mogrify("%s", (value,))
     return literal
+
+
+def _pool_entry_api() -> bool:
+    """Whether this SQLAlchemy's pool has the entry methods the lean checkout calls, with the
+    arguments it passes (private API: a release that changes them gets the ordinary checkout)."""
+    try:
+        from sqlalchemy.pool.base import Pool, _ConnectionRecord
+
+        wanted = (
+            (QueuePool._do_get, ()),
+            (_ConnectionRecord.get_connection, ()),
+            (_ConnectionRecord.checkin, ("_fairy_was_created",)),
+            (_ConnectionRecord._checkin_failed, ("err", "_fairy_was_created")),
+            (_ConnectionRecord.invalidate, ()),
+            (Pool._invalidate, ("_checkin",)),
+        )
+        return all(
+            set(names) <= set(inspect.signature(method).parameters) for method, names in wanted
+        )
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
+
+
+#: Checked once, at import.
+_POOL_ENTRY_API = _pool_entry_api()
 
 
 class DirectStatements:
@@ -308,7 +334,7 @@ class DirectStatements:
         ordinary checkout. (``_do_get``, ``get_connection``, ``checkin`` and
         ``_checkin_failed`` are what the proxy itself calls, the same since SQLAlchemy 2.0.0.)
         """
-        if type(pool) is not QueuePool or pool._pre_ping:
+        if not _POOL_ENTRY_API or type(pool) is not QueuePool or pool._pre_ping:
             return False
         dispatch = pool.dispatch
         return not (dispatch.checkout or dispatch.checkin or dispatch.reset)

@@ -359,6 +359,40 @@ def test_i11_c26_every_statement_returns_its_connection_to_the_pool(store, runs)
     assert pool.pool.size() == 3 and pool.pool.overflow() <= 0  # type: ignore[attr-defined]
 
 
+def test_i11_a_sqlalchemy_without_the_pool_entry_api_takes_the_ordinary_checkout(
+    store, runs, monkeypatch
+) -> None:
+    """The lean checkout calls private pool methods; on a SQLAlchemy where they are not
+    what it expects (checked once, at import), every statement takes ``pool.connect()``."""
+    from flask_idempotency import store_direct
+
+    pool = store._single()
+    assert pool is not None
+    store.acquire(identity_of("entry-api-warm"), ttl=60, lease=30)  # the table is verified
+    connect = pool.pool.connect
+    connects: list[int] = []
+
+    def counted_connect() -> Any:
+        connects.append(1)
+        return connect()
+
+    monkeypatch.setattr(pool.pool, "connect", counted_connect)
+
+    def claim_complete_replay(name: str) -> None:
+        ident = identity_of(name)
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        assert store.complete(claim, RESPONSE) == claim.expires_at_ms
+        assert isinstance(store.acquire(ident, ttl=60, lease=30), Record)
+
+    claim_complete_replay("lean-checkout")
+    assert connects == []  # this SQLAlchemy has the entry API: the lean checkout
+    monkeypatch.setattr(store_direct, "_POOL_ENTRY_API", False)
+    claim_complete_replay("ordinary-checkout")
+    assert len(connects) >= 3
+    assert pool.pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
 def test_i11_pool_listeners_still_see_every_checkout(store, runs) -> None:
     """An app's ``checkout``/``checkin`` listeners on the pool (pool metrics, a per-checkout
     setting) see the direct path's connections as before: it steps aside for them."""
