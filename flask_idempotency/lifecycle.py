@@ -356,6 +356,7 @@ def _run_owner(
 def _closing_unsettled(close: Callable[[], None], own: Ownership) -> Callable[[], None]:
     def close_request() -> None:
         try:
+            _stop_heartbeat(own)
             if not own.settled:
                 failed = own.failed or sys.exc_info()[0] is not None
                 _settle_unfinished(own, "exception" if failed else "unfinished")
@@ -435,10 +436,10 @@ def _store_down(decision: _Decision, exc: StoreError) -> None:
 
 def _settle(own: Ownership, response: Response) -> Response:
     """Store the owner's answer, or release its claim (C15-C19); the response goes on."""
+    _stop_heartbeat(own)  # also after a transactional view settled itself
     if own.settled:
         return response
     own.settled = True
-    _stop_heartbeat(own)
     reason = _release_reason(own, response.status_code)
     if reason is not None:
         _release(own, reason, response.status_code)
@@ -706,8 +707,9 @@ def _start_heartbeat(own: Ownership) -> None:
 
 
 def _stop_heartbeat(own: Ownership) -> None:
-    if own.lease is not None:
-        heartbeat.stop(own.lease)
+    lease, own.lease = own.lease, None
+    if lease is not None:
+        heartbeat.stop(lease)
 
 
 def _hold_heartbeat(own: Ownership) -> None:

@@ -24,7 +24,7 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import OperationalError
 
-from flask_idempotency import idempotent, release_claim, signals
+from flask_idempotency import heartbeat, idempotent, release_claim, signals
 from flask_idempotency.atomic import ViewCommitted
 from flask_idempotency.fingerprint import key_digest
 from tests.apps.atomicapp import AtomicApp, build_app
@@ -467,6 +467,35 @@ def test_c40_unflushed_writes_commit_with_the_record(
     assert len(harness.payments_by_key()["c40-lazy"]) == 1
     record = harness.record("c40-lazy")
     assert record is not None and record.state == "completed"
+
+
+def test_c40_c44_a_settled_transactional_owner_leaves_no_lease_behind(
+    harness: AtomicHarness, make_payments_app: Callable[..., AtomicApp]
+) -> None:
+    """C44: the heartbeat stops renewing an atomic owner once it answered, stored or
+    released, as for any owner (the renewer would otherwise keep it until max runtime)."""
+    payments = make_payments_app()
+    db, payment_model = payments.db, payments.payment_model
+
+    @payments.app.post("/kept")
+    @idempotent(atomic=True)
+    def kept():  # type: ignore[no-untyped-def]
+        db.session.add(payment_model(idem_key="c44-kept", amount=5, pid=0))
+        return jsonify(ok=True), 201
+
+    @payments.app.post("/released")
+    @idempotent(atomic=True)
+    def released():  # type: ignore[no-untyped-def]
+        release_claim()
+        return jsonify(ok=False), 400
+
+    client = payments.app.test_client()
+    leases = set(heartbeat.renewer()._leases)
+    assert client.post("/kept", json={}, headers={"Idempotency-Key": "c44-kept"}).status_code == 201
+    assert (
+        client.post("/released", json={}, headers={"Idempotency-Key": "c44-rel"}).status_code == 400
+    )
+    assert heartbeat.renewer()._leases == leases
 
 
 def test_c40_constraint_failure_at_the_final_flush_is_the_views_error(
