@@ -241,6 +241,7 @@ def spy(db_url: str, redis_url: str, seconds: float) -> dict[str, Any]:
                     str(worker),
                     "--output",
                     str(raw),
+                    *(["--gil"] if gil else []),
                 ],
                 capture_output=True,
                 check=False,
