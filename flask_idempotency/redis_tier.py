@@ -51,6 +51,10 @@ log = logging.getLogger("flask_idempotency")
 
 #: Suffix of the wake-up channel: ``{prefix}:done`` carries both ``done`` and ``released``.
 CHANNEL_SUFFIX = "done"
+#: The key a parked request sets to ask for its record's wake-up (issue 11).
+WAITING_SUFFIX = "waiting"
+#: A waiting mark outlives its waiter's own wait by this much (a slow re-read, a late start).
+_EXPECT_MARGIN = 1.0
 
 
 class Outage:
@@ -286,15 +290,17 @@ class _Reader:
     def get(self, name: bytes) -> Any:
         return self._run([b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(name), name)], 1)[0]
 
-    def set_and_publish(
-        self, name: str, value: bytes, ttl_ms: int, channel: str, payload: str
+    def set_and_wake(
+        self, name: str, value: bytes, ttl_ms: int, waiting: str, publish: tuple[Any, ...]
     ) -> None:
-        """``SET name value PX ttl_ms`` (skipped when ``ttl_ms <= 0``) and ``PUBLISH``, sent
-        together and both replies read: the completion's one round trip (C23)."""
-        commands: list[tuple[Any, ...]] = [("PUBLISH", channel, payload)]
+        """``SET name value PX ttl_ms`` (skipped when ``ttl_ms <= 0``) and ``EXISTS waiting``
+        sent together, both replies read: the completion's one round trip (C23); then
+        ``publish`` (the wake-up command), only if a waiter has asked for it."""
+        commands: list[tuple[Any, ...]] = [("EXISTS", waiting)]
         if ttl_ms > 0:
             commands.insert(0, ("SET", name, value, "PX", ttl_ms))
-        self._run(commands, len(commands))
+        if self._run(commands, len(commands))[-1]:
+            self._run([publish], 1)
 
     def run_together(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` in one write and read every reply; an error reply is returned
@@ -565,8 +571,9 @@ class RedisCache:
     def promote_and_publish(
         self, key_digest: str, record: Completed, ttl_ms: int, notifier: Any, event: str
     ) -> bool:
-        """Promote and publish the wake-up in one round trip (C23), when ``notifier``
-        publishes on this cache's Redis; ``False``, having done nothing, otherwise.
+        """Promote and ask for waiters in one round trip (C23), then publish the wake-up if
+        one waits, when ``notifier`` publishes on this cache's Redis; ``False``, having
+        done nothing, otherwise.
 
         On a cluster both go to the master that owns the record's slot, whose shard
         channel the wake-up uses (:meth:`_promote_and_publish_on_shard`)."""
@@ -586,21 +593,25 @@ class RedisCache:
             return False
         if not self.outage.allows():
             return True  # skipped, as the two calls would have been
+        waiting = notifier.waiting_name(key_digest)
         try:
             if self._reader is not None:
-                self._reader.set_and_publish(
+                self._reader.set_and_wake(
                     self.record_name(key_digest),
                     self._encode(record),
                     ttl_ms,
-                    notifier.channel,
-                    notifier.wakeup_payload(key_digest, event),
+                    waiting,
+                    ("PUBLISH", notifier.channel, notifier.wakeup_payload(key_digest, event)),
                 )
             else:
                 pipe = self._client.pipeline(transaction=False)
                 if ttl_ms > 0:
                     pipe.set(self.record_name(key_digest), self._encode(record), px=ttl_ms)
-                pipe.publish(notifier.channel, notifier.wakeup_payload(key_digest, event))
-                pipe.execute()
+                pipe.exists(waiting)
+                if pipe.execute()[-1]:
+                    self._client.publish(
+                        notifier.channel, notifier.wakeup_payload(key_digest, event)
+                    )
         except Exception as exc:
             self._failed(exc, "promote", key_digest)
             return True
@@ -610,21 +621,20 @@ class RedisCache:
     def _promote_and_publish_on_shard(
         self, key_digest: str, record: Completed, ttl_ms: int, notifier: ClusterNotifier, event: str
     ) -> bool:
-        """The record's ``SET`` and its shard's ``SPUBLISH`` in one write on the slot
-        owner's connection: the record's key and its shard channel are hash-tagged onto
-        the same master. ``False`` (two commands follow, each routed and checked on its
-        own) when the shard is in its back-off, the slot map no longer puts both on one
-        master, or a reply says the slot moved (``DirectCluster.set_and_publish``).
-
-        If the ``SET`` was redirected but the ``SPUBLISH`` went through, a waiter may wake
-        before the copy exists; it then reads the durable record (C22), and the two
-        commands that follow promote and publish again, in that order (C23).
+        """The record's ``SET`` and the check for a waiter in one write on the slot owner's
+        connection (the waiting key shares the record's hash tag), then, if a waiter
+        asked, its shard's ``SPUBLISH`` on the same connection: the shard channel is
+        tagged onto the same master. ``False`` (the commands follow one by one, each
+        routed and checked on its own) when the shard is in its back-off, the slot map
+        no longer puts the channel on the record's master, or a reply says the slot
+        moved (``DirectCluster.set_and_wake``); whatever went through already is sent
+        again in the same order (C23), which is harmless.
         """
         outage = self.outage_for(key_digest)
         if ttl_ms <= 0 or outage.down:
             return False
         try:
-            together = self._client.set_and_publish
+            together = self._client.set_and_wake
             route = notifier.route(key_digest)
         except Exception:
             return False  # no slot map yet: the two commands report the outage
@@ -635,6 +645,7 @@ class RedisCache:
                 self.record_name(key_digest),
                 self._encode(record),
                 ttl_ms,
+                notifier.waiting_name(key_digest),
                 *route,
                 notifier.wakeup_payload(key_digest, event),
             )
@@ -704,6 +715,11 @@ class RedisNotifier:
     def channel(self) -> str:
         return f"{_names_prefix(self.prefix, self._origin.get())}:{CHANNEL_SUFFIX}"
 
+    def waiting_name(self, key_digest: str) -> str:
+        """The key a waiter sets to be woken for ``key_digest``: in the record's hash tag,
+        so on a cluster it lives beside the record (one slot, one round trip)."""
+        return f"{_names_prefix(self.prefix, self._origin.get())}:{WAITING_SUFFIX}:{{{key_digest}}}"
+
     @staticmethod
     def wakeup_payload(key_digest: str, event: str) -> str:
         return json.dumps({"k": key_digest, "e": event}, separators=(",", ":"))
@@ -715,15 +731,47 @@ class RedisNotifier:
             log.warning("idempotency: could not start the wake-up listener: %s", exc)
             return False
 
+    def _outage_for(self, key_digest: str) -> Outage:
+        return self.outage
+
+    def expect(self, key_digest: str, seconds: float) -> bool:
+        """Record that a waiter of this process waits up to ``seconds`` for ``key_digest``:
+        whoever settles it within that time publishes the wake-up (see :mod:`.wakeup`)."""
+        outage = self._outage_for(key_digest)
+        if not outage.allows():
+            return False
+        try:
+            self._client.set(
+                self.waiting_name(key_digest),
+                b"1",
+                px=max(1, int((seconds + _EXPECT_MARGIN) * 1000)),
+            )
+        except Exception as exc:
+            _report_failure(outage, exc, "expect", key_digest)
+            return False
+        _report_success(outage)
+        return True
+
     def publish(self, key_digest: str, event: str) -> None:
-        if not self.outage.allows():
+        """Wake the processes waiting for ``key_digest``, if any waits (one ``EXISTS``;
+        the wake-up itself only when a waiter asked for it)."""
+        outage = self._outage_for(key_digest)
+        if not outage.allows():
             return
         try:
-            self._client.publish(self.channel, self.wakeup_payload(key_digest, event))
+            if self._client.exists(self.waiting_name(key_digest)):
+                self._publish_now(key_digest, event)
         except Exception as exc:
-            _report_failure(self.outage, exc, "publish", key_digest)
+            self._publish_failed()
+            _report_failure(outage, exc, "publish", key_digest)
             return
-        _report_success(self.outage)
+        _report_success(outage)
+
+    def _publish_now(self, key_digest: str, event: str) -> None:
+        self._client.publish(self.channel, self.wakeup_payload(key_digest, event))
+
+    def _publish_failed(self) -> None:
+        """Forget what a failed publish may have made stale (a cluster's slot map)."""
 
     @property
     def listener(self) -> WakeupListener:
@@ -806,29 +854,24 @@ class ClusterNotifier(RedisNotifier):
         """A failover or resharding: look at the slot map again before the next wake-up."""
         self._tags = {}
 
-    def publish(self, key_digest: str, event: str) -> None:
-        outage = (
-            self.outage
-            if self._shards is None
-            else self._shards.for_digest(key_digest, self.outage)
-        )
-        if not outage.allows():
-            return
+    def _outage_for(self, key_digest: str) -> Outage:
+        if self._shards is None:
+            return self.outage
+        return self._shards.for_digest(key_digest, self.outage)
+
+    def _publish_now(self, key_digest: str, event: str) -> None:
+        route = self.route(key_digest)
+        if route is None:
+            raise RuntimeError("no master owns this record's slot")
+        command, channel = route
         payload = self.wakeup_payload(key_digest, event)
-        try:
-            route = self.route(key_digest)
-            if route is None:
-                raise RuntimeError("no master owns this record's slot")
-            command, channel = route
-            if command == "SPUBLISH":
-                self._client.spublish(channel, payload)
-            else:
-                self._client.publish(channel, payload)
-        except Exception as exc:
-            self.forget_tags()
-            _report_failure(outage, exc, "publish", key_digest)
-            return
-        _report_success(outage)
+        if command == "SPUBLISH":
+            self._client.spublish(channel, payload)
+        else:
+            self._client.publish(channel, payload)
+
+    def _publish_failed(self) -> None:
+        self.forget_tags()
 
     @property
     def listener(self) -> WakeupListener:
@@ -919,6 +962,9 @@ class RedisTier:
 
     def ensure_listening(self, hub: WakeupHub) -> bool:
         return self.notifier.ensure_listening(hub)
+
+    def expect(self, key_digest: str, seconds: float) -> bool:
+        return self.notifier.expect(key_digest, seconds)
 
     def publish(self, key_digest: str, event: str) -> None:
         self.notifier.publish(key_digest, event)

@@ -155,8 +155,8 @@ class _PrePacked(Protocol):
 
 
 class DirectCluster:
-    """A ``RedisCluster`` whose hot single-key commands (the cache's ``GET``/``SET``/``DEL``
-    and the wake-up's ``SPUBLISH``) go straight to the client of the node that owns the
+    """A ``RedisCluster`` whose hot single-key commands (the cache's ``GET``/``SET``/``DEL``,
+    the wake-up's ``EXISTS`` and ``SPUBLISH``) go straight to the client of the node that owns the
     key's slot in the cached slot map.
 
     ``RedisCluster.execute_command`` re-derives the target on every call: about 30 us of
@@ -196,23 +196,34 @@ class DirectCluster:
     def delete(self, name: str) -> Any:
         return self._direct("delete", name, name)
 
+    def exists(self, name: str) -> Any:
+        return self._direct("exists", name, name)
+
     def spublish(self, channel: str, message: Any) -> Any:
         return self._direct("spublish", channel, channel, message)
 
-    def set_and_publish(
-        self, name: str, value: bytes, ttl_ms: int, command: str, channel: str, message: str
+    def set_and_wake(
+        self,
+        name: str,
+        value: bytes,
+        ttl_ms: int,
+        waiting: str,
+        command: str,
+        channel: str,
+        message: str,
     ) -> bool:
-        """``SET name value PX ttl_ms``, then ``command channel message`` (``SPUBLISH``, or
-        ``PUBLISH`` before Redis 7), pre-packed in one write on the connection of the node
-        that owns ``name``'s slot, both replies read: the completion's one round trip, as on
-        one node. The server runs them in the order sent (C23).
+        """``SET name value PX ttl_ms`` and ``EXISTS waiting``, pre-packed in one write on the
+        connection of the node that owns ``name``'s slot (``waiting`` shares its hash tag),
+        both replies read: the completion's one round trip, as on one node. Then, only if
+        a waiter asked for it, ``command channel message`` (``SPUBLISH``, or ``PUBLISH``
+        before Redis 7) on the same connection. The server runs them in the order sent (C23).
 
-        ``False`` when they cannot go together: no fast path or slot map, a ``SPUBLISH``
+        ``False`` when they cannot go that way: no fast path or slot map, a ``SPUBLISH``
         channel that the slot map puts on another master (a slot moved since its tag was
         chosen), a broken connection, or a ``MOVED``/``ASK``/``TRYAGAIN``/``CLUSTERDOWN``
-        reply to either. The caller then sends them as two commands, which re-route
-        through the cluster client; whatever already went through is sent again, which
-        is harmless (the same value; a wake-up is only a hint to re-read). Any other
+        reply to any of them. The caller then sends them as separate commands, which
+        re-route through the cluster client; whatever already went through is sent again,
+        which is harmless (the same value; a wake-up is only a hint to re-read). Any other
         error (a timeout, an error reply) is raised.
         """
         cluster = self._cluster
@@ -230,16 +241,12 @@ class DirectCluster:
         if reader is None:
             return False
         try:
-            replies = reader.run_together(
-                [("SET", name, value, "PX", ttl_ms), (command, channel, message)]
-            )
+            replies = reader.run_together([("SET", name, value, "PX", ttl_ms), ("EXISTS", waiting)])
+            _raise_error_reply(replies)
+            if replies[-1]:
+                _raise_error_reply(reader.run_together([(command, channel, message)]))
         except _rerouted():
             return False
-        for reply in replies:
-            if isinstance(reply, Exception):
-                if isinstance(reply, _rerouted()):
-                    return False
-                raise reply
         return True
 
     def _owner_client(self, key: str) -> Any:
@@ -257,6 +264,13 @@ class DirectCluster:
             except _rerouted():
                 pass  # the slot moved or the node is gone: re-routed below, map refreshed
         return getattr(self._cluster, command)(*args, **options)
+
+
+def _raise_error_reply(replies: list[Any]) -> None:
+    """Raise the first error reply among ``replies`` (a redirection is one of :func:`_rerouted`)."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
 
 
 def _rerouted() -> tuple[type[BaseException], ...]:

@@ -7,6 +7,13 @@ same digest in this process at once; other processes learn of it through a
 cross-process channel when one is configured (Redis pub/sub) and, always, by
 polling the store on a bounded back-off, so a lost message costs at most one
 poll interval. A wake-up is only a hint: the waiter always re-reads the store.
+
+Messages go only where a waiter is: a parked request first records, on the
+channel, that it expects its digest (then re-reads); whoever settles the record
+checks for that, after its durable commit, and publishes only if it is there.
+Either the check sees the mark and the waiter gets the message, or the mark came
+later and the waiter's re-read sees the settled record. A completion nobody
+waits for, the usual case, wakes no listener in any process.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from typing import Protocol, TypeVar
 log = logging.getLogger("flask_idempotency")
 
 T = TypeVar("T")
+#: How long a waiter registered without a wait of its own is expected by other processes.
+_DEFAULT_EXPECT = 30.0
 
 
 class TooManyWaiters(Exception):
@@ -53,8 +62,12 @@ class CrossProcessChannel(Protocol):
     def ensure_listening(self, hub: WakeupHub) -> bool:
         """Start listening if needed; ``True`` once the subscription is confirmed."""
 
+    def expect(self, key_digest: str, seconds: float) -> bool:
+        """Ask whoever settles ``key_digest`` in the next ``seconds`` to publish it; ``True``
+        once the request is on record. Never raises."""
+
     def publish(self, key_digest: str, event: str) -> None:
-        """Tell other processes that ``key_digest`` finished; never raises."""
+        """Tell the processes that expect ``key_digest`` that it finished; never raises."""
 
 
 class WakeupHub:
@@ -68,10 +81,14 @@ class WakeupHub:
         self.channel: CrossProcessChannel | None = None
 
     @contextmanager
-    def parked(self, key_digest: str) -> Iterator[Parked]:
-        """Register a waiter for ``key_digest`` for the duration of the block.
+    def parked(self, key_digest: str, wait: float = _DEFAULT_EXPECT) -> Iterator[Parked]:
+        """Register a waiter for ``key_digest`` for the duration of the block (up to ``wait``
+        seconds).
 
-        The caller re-reads the record *inside* the block, after registering.
+        The caller re-reads the record *inside* the block, after registering. With a
+        cross-process channel the waiter is live only once this process listens and the
+        channel has recorded that a waiter expects ``key_digest``: completions publish
+        only then, so a completion nobody waits for wakes no process (issue 11).
         """
         parked = Parked()
         with self._lock:
@@ -80,8 +97,11 @@ class WakeupHub:
             self._waiters.setdefault(key_digest, set()).add(parked)
             self._count += 1
         try:
-            if self.channel is not None:
-                parked.cross_process_live = self.channel.ensure_listening(self)
+            channel = self.channel
+            if channel is not None:
+                parked.cross_process_live = channel.ensure_listening(self) and channel.expect(
+                    key_digest, wait
+                )
             yield parked
         finally:
             with self._lock:
@@ -150,7 +170,7 @@ def wait_for_owner(
     """
     deadline = time.monotonic() + wait
     try:
-        with hub.parked(key_digest) as parked:
+        with hub.parked(key_digest, wait) as parked:
             live = parked.cross_process_live
             polls = PollSchedule(first=0.1 if live else 0.025, cap=1.0 if live else 0.5)
             while True:

@@ -154,6 +154,7 @@ def test_c30_real_redis_holds_no_raw_key(make_pg_app, redis_server, inspector):
         ack = subscriber.get_message(timeout=EVENTUALLY)
         assert ack is not None and ack["type"] == "subscribe"
         for key in (RAW_KEY, RAW_KEY + "-b"):
+            assert env.notifier.expect(digest_of(key), 5.0)  # a waiter asks for the wake-up
             post(env, key)
             post(env, key)
         messages = []
@@ -166,11 +167,68 @@ def test_c30_real_redis_holds_no_raw_key(make_pg_app, redis_server, inspector):
         subscriber.close()
     names = list(inspector.scan_iter("*"))
     assert sorted(names) == sorted(
-        env.tier.record_name(digest_of(k)).encode() for k in (RAW_KEY, RAW_KEY + "-b")
+        name(digest_of(k)).encode()
+        for k in (RAW_KEY, RAW_KEY + "-b")
+        for name in (env.tier.record_name, env.notifier.waiting_name)
     )
     assert len(messages) == 2
     for blob in names + [inspector.get(n) for n in names] + messages:
         assert b"raw-key" not in blob and ANONYMOUS_SCOPE.encode() not in blob
+
+
+# -- C10: wake-ups go only where a waiter is -----------------------------------------
+
+
+def test_i11_c10_a_completion_nobody_waits_for_wakes_no_process(
+    make_pg_app, redis_server, inspector
+):
+    """Every process listens on the channel; a completion or release that no waiter asked
+    for publishes nothing, so no process's listener wakes for it (each one used to, for
+    every completion of every process: work that grew with the number of processes). A
+    waiter in another process still gets its wake-up as a message, and its request to be
+    woken expires with its wait."""
+    owner = build(make_pg_app, redis_server.url, redis_socket_timeout=5)
+    other = build(make_pg_app, redis_server.url, redis_socket_timeout=5, wait=3)
+
+    @owner.app.post("/fail")
+    @idempotent
+    def fail() -> Any:
+        return jsonify(error="failed"), 500  # released (C17): a release publishes too
+
+    hub = other.state.wakeups
+    assert hub.channel.ensure_listening(hub) or hub.channel.listener.wait_until_live(EVENTUALLY)
+    subscriber = inspector.pubsub()
+    subscriber.subscribe(owner.notifier.channel)
+    try:
+        ack = subscriber.get_message(timeout=EVENTUALLY)
+        assert ack is not None and ack["type"] == "subscribe"
+        for n in range(5):
+            assert post(owner, f"nobody-waits-{n}").status_code == 201
+        released = owner.app.test_client().post("/fail", headers={"Idempotency-Key": "fails"})
+        assert released.status_code == 500
+        assert subscriber.get_message(timeout=1.0) is None
+        assert other.notifier.listener.messages == 0
+
+        owner.gate.clear()
+        first = threading.Thread(target=post, args=(owner, "somebody-waits"))
+        first.start()
+        assert owner.entered.wait(EVENTUALLY)
+        waited: list[Any] = []
+        duplicate = threading.Thread(target=lambda: waited.append(post(other, "somebody-waits")))
+        duplicate.start()
+        waiting = owner.notifier.waiting_name(digest_of("somebody-waits"))
+        wait_for(lambda: inspector.exists(waiting), "the waiter to ask for its wake-up")
+        assert 0 < inspector.pttl(waiting) <= 4_000  # its wait (3 s) and a margin
+        owner.gate.set()
+        first.join(EVENTUALLY)
+        duplicate.join(EVENTUALLY)
+        message = subscriber.get_message(timeout=EVENTUALLY)
+        assert message is not None and message["type"] == "message"
+    finally:
+        subscriber.close()
+    assert waited[0].headers["Idempotent-Replayed"] == "true"
+    assert other.notifier.listener.messages == 1
+    assert owner.calls == [1] * 6 and other.calls == []
 
 
 # -- C24 ----------------------------------------------------------------------------

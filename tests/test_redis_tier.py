@@ -195,6 +195,7 @@ def test_c23_completion_promotes_with_pxat_and_publishes_done(make_app, server):
     env = build(make_app, client, ttl=600)
     subscriber = client.pubsub()
     subscriber.subscribe(env.notifier.channel)
+    assert env.notifier.expect(digest_of(), 5.0)  # a waiter elsewhere asks for the wake-up
     try:
         post(env)
         row = env.state.store.get(digest_of())
@@ -231,6 +232,8 @@ def test_c30_no_raw_key_in_redis_names_values_or_messages(make_app, server):
     env = build(make_app, client)
     subscriber = client.pubsub()
     subscriber.subscribe(env.notifier.channel)
+    for key in (RAW_KEY, RAW_KEY + "-2"):  # waiters elsewhere ask for both wake-ups
+        assert env.notifier.expect(digest_of(key), 5.0)
     try:
         post(env)
         post(env)
@@ -370,8 +373,8 @@ def park_hook(hub: WakeupHub, before_sleep: Callable[[], None]) -> None:
     fired = threading.Event()
 
     @contextmanager
-    def parked(digest: str) -> Iterator[Any]:
-        with original(digest) as slot:
+    def parked(digest: str, wait: float) -> Iterator[Any]:
+        with original(digest, wait) as slot:
 
             class Hooked:
                 cross_process_live = slot.cross_process_live
@@ -521,6 +524,7 @@ def test_c10_listener_dispatches_by_digest_and_ignores_junk(server):
     client = fakeredis.FakeRedis(server=server)
     tier = RedisTier(client)
     hub = WakeupHub()
+    hub.channel = tier
     assert tier.ensure_listening(hub) or tier.listener.wait_until_live(EVENTUALLY)
     with hub.parked("a" * 64) as mine, hub.parked("b" * 64) as other:
         client.publish(tier.channel, b"\xffjunk")
@@ -535,6 +539,7 @@ def test_x15_listener_reconnects_and_wakes_everyone(server):
     client = fakeredis.FakeRedis(server=server)
     tier = RedisTier(client)
     hub = WakeupHub()
+    hub.channel = tier
     assert tier.ensure_listening(hub) or tier.listener.wait_until_live(EVENTUALLY)
     with hub.parked("c" * 64) as parked:
         server.connected = False  # the subscriber's reads fail: waiters must re-check

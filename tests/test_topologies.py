@@ -21,6 +21,7 @@ from flask import Flask, jsonify, request
 from sqlalchemy.engine import URL
 
 from flask_idempotency import Idempotency, idempotent, signals, wakeup
+from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.wakeup import PollSchedule
 from tests.conftest import redis6_server_binary, redis_server_binary
 from tests.support.redis_cluster import RedisCluster3, SentinelGroup, redis_cli
@@ -333,7 +334,7 @@ class _Trace:
             return replies
 
         monkeypatch.setattr(redis_tier._Reader, "run_together", together)
-        for command in ("set", "spublish"):
+        for command in ("set", "exists", "spublish"):
             real_direct = getattr(redis_topology.DirectCluster, command)
 
             def direct(
@@ -381,20 +382,37 @@ def _holds(node: Any, name: str) -> bool:
 def test_i15_c23_a_cluster_completion_is_one_round_trip_on_the_slot_owner(
     make_svc: Any, cluster: RedisCluster3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The record's ``SET`` and its shard's ``SPUBLISH`` go pre-packed in one write on the
+    """The record's ``SET`` and the check for a waiter go pre-packed in one write on the
     connection of the master that owns the record's slot, ``SET`` first (C23), as on one
-    node: no second round trip, nothing routed through ``RedisCluster``; the other
-    process hears every wake-up and every replay comes from the cache."""
+    node: no second round trip, nothing routed through ``RedisCluster``. Where a waiter in
+    another process asked for the wake-up, its shard's ``SPUBLISH`` follows on the same
+    connection and the waiter hears it; where none did, nothing is published. Every
+    replay comes from the cache."""
     owner, waiter = make_svc(cluster.url), make_svc(cluster.url)
     assert owner.post("warm").status_code == 201
     _listening(waiter)
+    keys = [f"one-trip-{n}-{uuid.uuid4().hex[:6]}" for n in range(6)]  # on every shard, likely
+    for key in keys[3:]:
+        assert waiter.state.wakeups.channel.expect(key_digest(ANONYMOUS_SCOPE, key), 10.0)
     trace = _Trace(monkeypatch, owner)
     heard = _messages(waiter)
-    keys = [f"one-trip-{n}-{uuid.uuid4().hex[:6]}" for n in range(6)]  # on every shard, likely
-    for key in keys:
+    for key in keys[:3]:
         assert owner.post(key).status_code == 201
-    assert trace.events == [("together", "SET:bytes", "SPUBLISH:int")] * 6, trace.events
-    assert _eventually(lambda: _messages(waiter) >= heard + 6)
+    assert trace.events == [("together", "SET:bytes", "EXISTS:int")] * 3, trace.events
+    time.sleep(0.2)
+    assert _messages(waiter) == heard  # nobody waited: no listener was woken
+    trace.events.clear()
+    for key in keys[3:]:
+        assert owner.post(key).status_code == 201
+    assert (
+        trace.events
+        == [
+            ("together", "SET:bytes", "EXISTS:int"),
+            ("together", "SPUBLISH:int"),
+        ]
+        * 3
+    ), trace.events
+    assert _eventually(lambda: _messages(waiter) >= heard + 3)
     owner.sources.clear()
     for key in keys:
         assert owner.post(key).headers["Idempotent-Replayed"] == "true"
@@ -405,10 +423,10 @@ def test_i15_c23_c24_a_slot_moved_under_the_completion_falls_back_to_two_command
     make_svc: Any, cluster: RedisCluster3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stale slot map sends the pair to a master that no longer owns the record's slot:
-    the ``SET`` answers ``MOVED`` (the ``SPUBLISH``, on that master's own channel, goes
-    through). The completion then sends the two commands again, each routed: the copy
-    lands on the slot's real owner, and the last wake-up follows it (C23); no outage
-    starts and nothing is lost (C24)."""
+    the ``SET`` and the check for a waiter answer ``MOVED``, so nothing is published from
+    there. The completion then sends the commands one by one, each routed: the copy lands
+    on the slot's real owner, and the wake-up follows it (C23); no outage starts and
+    nothing is lost (C24)."""
     owner, waiter = make_svc(cluster.url), make_svc(cluster.url)
     assert owner.post("warm").status_code == 201
     _listening(waiter)
@@ -423,17 +441,20 @@ def test_i15_c23_c24_a_slot_moved_under_the_completion_falls_back_to_two_command
     monkeypatch.setattr(
         inner, "get_node_from_key", lambda key, replica=False: wrong if key in stale else real(key)
     )
+    assert waiter.state.wakeups.channel.expect(digest, 10.0)
+    trace.events.clear()
     heard = _messages(waiter)
     record = _completed()
     owner.state.announce_completed(digest, record)
-    assert trace.events[0] == ("together", "SET:MovedError", "SPUBLISH:int"), trace.events
+    assert trace.events[0] == ("together", "SET:MovedError", "EXISTS:MovedError"), trace.events
     assert trace.events[1:] == [
         ("direct", "SET"),
         ("routed", "SET"),  # MOVED again from the stale map: routed to the real owner
+        ("direct", "EXISTS"),  # does a waiter expect it? (on the real owner)
         ("direct", "SPUBLISH"),  # after the copy exists (C23)
     ], trace.events
     assert _holds(right, name) and not _holds(wrong, name)
-    assert _eventually(lambda: _messages(waiter) >= heard + 2)  # the early hint and the last
+    assert _eventually(lambda: _messages(waiter) >= heard + 1)
     assert not cache.outage_for(digest).down and not cache.outage.down
     assert cache.get(digest) == record
 
@@ -461,10 +482,13 @@ def test_i15_c23_a_shard_channel_on_another_master_goes_as_two_commands(
         "get_node_from_key",
         lambda key, replica=False: wrong if key == channel else real(key),
     )
+    assert waiter.state.wakeups.channel.expect(digest, 10.0)
+    trace.events.clear()
     heard = _messages(waiter)
     owner.state.announce_completed(digest, _completed())
     assert trace.events == [
         ("direct", "SET"),
+        ("direct", "EXISTS"),
         ("direct", "SPUBLISH"),
         ("routed", "SPUBLISH"),
     ], trace.events
