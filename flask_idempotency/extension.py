@@ -43,8 +43,9 @@ class AppState:
     _options: dict[RouteOptions, EffectiveOptions] = dataclasses.field(default_factory=dict)
     #: One line per outage of the durable store, not one per failed request.
     outage_log: lifecycle.ThrottledLog = dataclasses.field(default_factory=lifecycle.ThrottledLog)
-    #: Whether this app has said that it runs on the default scope (once per app).
-    _default_scope_told: threading.Event = dataclasses.field(default_factory=threading.Event)
+    #: Whether this app has said that it runs on the default scope (once per app): a
+    #: plain flag, read on every request without a call.
+    _default_scope_told: bool = False
     _default_scope_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def look_up(
@@ -112,25 +113,29 @@ class AppState:
             )
         return db
 
-    def scope_for_request(self) -> str:
-        """The scope of the current request: the registered loader's, else the default (C5)."""
+    def scope_for_request(self, req: Any = None, app: Flask | None = None) -> str:
+        """The scope of the current request: the registered loader's, else the default (C5).
+
+        ``req`` and ``app``: the request and its app, when the caller has them (each saves
+        a context look-up per request).
+        """
         loader = self.extension._scope_loader
         if loader is not None:
             scope = loader()
-            if scope is not None and str(scope) != "":
-                return "scope:" + str(scope)
-        else:
+            if scope is not None:
+                text = str(scope)
+                if text != "":
+                    return "scope:" + text
+        elif not self._default_scope_told:
             self._tell_default_scope()
-        return default_scope(request)
+        return default_scope(request if req is None else req, app)
 
     def _tell_default_scope(self) -> None:
         """Warn once per app that keys are scoped by the defaults, and what they risk (C46)."""
-        if self._default_scope_told.is_set():
-            return
         with self._default_scope_lock:
-            if self._default_scope_told.is_set():
+            if self._default_scope_told:
                 return
-            self._default_scope_told.set()
+            self._default_scope_told = True
         log.warning(
             "idempotency: no scope_loader is registered, so keys are scoped by the Flask-Login"
             " user when one is logged in, else by a digest of the Authorization header (a client"

@@ -154,7 +154,7 @@ def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
         req = _current_request()  # bound once: each read through the proxy is a context lookup
         route = _route_options(view, req.method)
         if route is not None:
-            decided = _decide_request(state, req, route)
+            decided = _decide_request(state, req, route, app)
             if isinstance(decided, Ownership):
                 return _run_owner(decided, run_view, args, kwargs)
             if decided is not None:
@@ -183,7 +183,9 @@ def _route_options(view: Callable[..., Any], method: str) -> RouteOptions | None
 # -- deciding --------------------------------------------------------------------------
 
 
-def _decide_request(state: AppState, req: Any, route: RouteOptions) -> Response | Ownership | None:
+def _decide_request(
+    state: AppState, req: Any, route: RouteOptions, app: Flask
+) -> Response | Ownership | None:
     """What to do with a request to a protected view: the answer to send instead of
     running the view, the ownership under which the view runs, or ``None`` to run it
     without protection (no key, another method, a failed-open store).
@@ -199,9 +201,10 @@ def _decide_request(state: AppState, req: Any, route: RouteOptions) -> Response 
     started = time.perf_counter()
     settings = state.settings
     try:
-        # One environ look-up: a WSGI server joins repeated header lines into one value,
-        # so a list can never hold more than it (``getlist`` would scan the whole environ).
-        header = req.headers.get(settings.header)
+        # The environ entry ``req.headers.get(settings.header)`` reads: a WSGI server
+        # joins repeated header lines into one value, so it never holds more than one
+        # (``getlist`` would scan the whole environ).
+        header = req.environ.get(settings.header_environ_key)
         key = (
             parse_key([header], strict=settings.strict_header, max_length=settings.key_max_length)
             if header is not None
@@ -213,13 +216,13 @@ def _decide_request(state: AppState, req: Any, route: RouteOptions) -> Response 
         if options.required:
             raise MissingKey(f"This endpoint requires an {settings.header} header.")  # C4
         return None
-    scope = state.scope_for_request()
+    scope = state.scope_for_request(req, app)
     ident = Identity(
-        scope=scope,
-        key_digest=key_digest(scope, key),
-        fingerprint=request_fingerprint(req, forms.omitted_fields(settings)),
-        method=method,
-        path=req.path,
+        scope,
+        key_digest(scope, key),
+        request_fingerprint(req, forms.omitted_fields(settings, app.config)),
+        method,
+        req.path,
     )
     decision = _Decision(state, ident, options, started)
     try:
@@ -302,12 +305,13 @@ def _answer(decision: _Decision, outcome: Completed | Record) -> Response:
             " (another body, query, method or route). Use a new key for a new request."
         )  # C7
     if isinstance(outcome, Completed):
-        _emit(
-            signals.request_replayed,
-            decision,
-            source=decision.source,
-            status=outcome.response.status,
-        )
+        if signals.request_replayed.receivers:  # (every replay: no arguments built for none)
+            _emit(
+                signals.request_replayed,
+                decision,
+                source=decision.source,
+                status=outcome.response.status,
+            )
         return replay(outcome, decision.state.settings)  # C9
     _emit(signals.request_conflict, decision)
     raise RequestInProgress(
@@ -335,7 +339,8 @@ def _own(decision: _Decision, claim: Claim, req: Any) -> Ownership:
     # releases the claim when Flask closes the request.
     req.close = _closing_unsettled(req.close, own)
     _start_heartbeat(own)
-    _emit(signals.request_executed, decision, how=claim.how)
+    if signals.request_executed.receivers:
+        _emit(signals.request_executed, decision, how=claim.how)
     return own
 
 
@@ -643,9 +648,10 @@ def _completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> No
     state = own.state
     digest = own.ident.key_digest
     state.announce_completed(digest, Completed(own.ident.fingerprint, expires_at_ms, stored))
-    _emit_owned(
-        signals.response_stored, own, status=stored.status, body_omitted=stored.body_omitted
-    )
+    if signals.response_stored.receivers:
+        _emit_owned(
+            signals.response_stored, own, status=stored.status, body_omitted=stored.body_omitted
+        )
 
 
 def mark_failed(sender: Any, exception: BaseException, **extra: Any) -> None:

@@ -12,7 +12,7 @@ IN_PROGRESS = "in_progress"
 COMPLETED = "completed"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Identity:
     """Who is asking and for what: the record's name and the request's fingerprint."""
 
@@ -22,14 +22,21 @@ class Identity:
     method: str
     path: str
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self, scope: str, key_digest: str, fingerprint: str, method: str, path: str
+    ) -> None:
         # ``path`` comes from the client (``/files/a%00b``) and ``scope`` from the app;
         # PostgreSQL text cannot hold NUL, so an unescaped one would turn a request
         # into a 500. They are informational columns: the record is named by the digest.
-        for name in ("scope", "path"):
-            value = getattr(self, name)
-            if "\x00" in value:
-                object.__setattr__(self, name, value.replace("\x00", "%00"))
+        if "\x00" in scope:
+            scope = scope.replace("\x00", "%00")
+        if "\x00" in path:
+            path = path.replace("\x00", "%00")
+        # Set in one call: the generated __init__ of a frozen dataclass sets each field
+        # through object.__setattr__, which cost more than the rest of it (issue 11).
+        self.__dict__.update(
+            scope=scope, key_digest=key_digest, fingerprint=fingerprint, method=method, path=path
+        )
 
 
 @dataclasses.dataclass(frozen=True)
