@@ -26,6 +26,8 @@ from .store import DurableStore
 from .wakeup import WakeupHub
 
 EXTENSION_NAME = "idempotency"
+#: Routes whose merged options :meth:`AppState.effective_options` keeps.
+_OPTIONS_KEPT = 1024
 log = logging.getLogger("flask_idempotency")
 
 
@@ -40,7 +42,9 @@ class AppState:
     wakeups: WakeupHub
     #: The database's clock as seen from this process: how long a cached copy may live (C42).
     clock: DatabaseClock = dataclasses.field(default_factory=DatabaseClock)
-    _options: dict[RouteOptions, EffectiveOptions] = dataclasses.field(default_factory=dict)
+    _options: dict[int, tuple[RouteOptions, EffectiveOptions]] = dataclasses.field(
+        default_factory=dict
+    )
     #: One line per outage of the durable store, not one per failed request.
     outage_log: lifecycle.ThrottledLog = dataclasses.field(default_factory=lifecycle.ThrottledLog)
     #: Whether this app has said that it runs on the default scope (once per app): a
@@ -67,7 +71,8 @@ class AppState:
             self.clock.observe(outcome.now_ms, sent_at)
             if outcome.state == COMPLETED:
                 completed = outcome.completed()
-                self.promote(ident.key_digest, completed)  # read-through (C23)
+                if type(self.cache) is not NoCache:  # (without a cache tier: nothing to do)
+                    self.promote(ident.key_digest, completed)  # read-through (C23)
                 return completed, "database"
         elif outcome.how in ("new", "replaced"):  # the database set expiry = its now + ttl
             self.clock.observe(outcome.expires_at_ms - int(ttl * 1000), sent_at)
@@ -93,9 +98,19 @@ class AppState:
         self.wakeups.announce(key_digest, "done")
 
     def effective_options(self, route: RouteOptions) -> EffectiveOptions:
-        options = self._options.get(route)
-        if options is None:
-            options = self._options[route] = EffectiveOptions.merge(self.settings, route)
+        """The options a request to a route with ``route`` runs with, merged once per route.
+
+        Found by the route options' identity: hashing them (a dataclass hashes all its
+        fields) cost more than the look-up. The entry holds ``route``, so its id is never
+        another object's while it is there; bounded, for callers with passing options.
+        """
+        entry = self._options.get(id(route))
+        if entry is not None and entry[0] is route:
+            return entry[1]
+        options = EffectiveOptions.merge(self.settings, route)
+        if len(self._options) >= _OPTIONS_KEPT:
+            self._options.clear()
+        self._options[id(route)] = (route, options)
         return options
 
     @property

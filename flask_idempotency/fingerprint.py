@@ -391,5 +391,6 @@ def _unproxied(request: Request) -> Request:
     Every attribute read through the proxy looks the request up in a context
     variable again; a fingerprint reads a dozen, which was half its cost (issue 11).
     """
-    get = getattr(request, "_get_current_object", None)
-    return get() if get is not None else request
+    if isinstance(request, LocalProxy):
+        return request._get_current_object()  # type: ignore[no-any-return]
+    return request

@@ -148,11 +148,13 @@ def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper that stands for ``view``: decide, run the view as the owner, settle."""
     state: AppState = app.extensions["idempotency"]
     run_view = app.ensure_sync(view)  # a coroutine view runs as Flask would run it
+    # A view function's own options are fixed; a class-based view's depend on the method.
+    fixed: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
 
     @functools.wraps(view)
     def protected(*args: Any, **kwargs: Any) -> Any:
         req = _current_request()  # bound once: each read through the proxy is a context lookup
-        route = _route_options(view, req.method)
+        route = fixed if fixed is not None else _route_options(view, req.method)
         if route is not None:
             decided = _decide_request(state, req, route, app)
             if isinstance(decided, Ownership):
@@ -237,14 +239,17 @@ def _decide_request(
         decision.source = "cache"
         outcome = cached
     if isinstance(outcome, Claim):
-        return _own(decision, outcome, req)
+        return _own(decision, outcome, req, app)
     return _answer(decision, outcome)
 
 
 def _decide(decision: _Decision) -> Claim | Completed | Record:
-    outcome = _look_up(decision)
-    if _in_flight(decision, outcome):
-        outcome = _wait_for_original(decision, outcome)  # type: ignore[arg-type]
+    options = decision.options
+    outcome, decision.source = decision.state.look_up(
+        decision.ident, ttl=options.ttl, lease=options.lease, guard_locks=options.atomic
+    )
+    if type(outcome) is Record and _in_flight(decision, outcome):
+        outcome = _wait_for_original(decision, outcome)
     return outcome
 
 
@@ -324,7 +329,7 @@ def _answer(decision: _Decision, outcome: Completed | Record) -> Response:
 # -- running the view as the owner ---------------------------------------------------
 
 
-def _own(decision: _Decision, claim: Claim, req: Any) -> Ownership:
+def _own(decision: _Decision, claim: Claim, req: Any, app: Flask) -> Ownership:
     """Take up the claim: the request now owns the record until it settles (C15)."""
     if claim.how == "replaced":
         decision.state.cache.discard(decision.ident.key_digest)  # an old copy must not replay
@@ -338,7 +343,7 @@ def _own(decision: _Decision, claim: Claim, req: Any) -> Ownership:
     # Whatever ends the request without that (an exception Flask propagates, an exit)
     # releases the claim when Flask closes the request.
     req.close = _closing_unsettled(req.close, own)
-    _start_heartbeat(own)
+    _start_heartbeat(own, app, req.endpoint)
     if signals.request_executed.receivers:
         _emit(signals.request_executed, decision, how=claim.how)
     return own
@@ -682,13 +687,11 @@ def _release(own: Ownership, reason: str, status: int | None) -> bool:
     return True
 
 
-def _start_heartbeat(own: Ownership) -> None:
+def _start_heartbeat(own: Ownership, app: Flask, endpoint: str | None) -> None:
     """Renew the owner's lease while its view runs (C44), unless the app turned it off."""
     state = own.state
     if not state.settings.heartbeat:
         return
-    app = current_app._get_current_object()  # type: ignore[attr-defined]
-    endpoint = request.endpoint
 
     def report(reason: str) -> None:  # runs on the renewal thread
         log.warning(

@@ -39,7 +39,7 @@ class Identity:
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class StoredResponse:
     """A response as stored and replayed: status, allow-listed headers, exact body bytes."""
 
@@ -47,6 +47,16 @@ class StoredResponse:
     headers: tuple[tuple[str, str], ...]
     body: bytes
     body_omitted: bool = False
+
+    def __init__(
+        self,
+        status: int,
+        headers: tuple[tuple[str, str], ...],
+        body: bytes,
+        body_omitted: bool = False,
+    ) -> None:
+        # In one call, not a frozen dataclass's object.__setattr__ per field (issue 11).
+        self.__dict__.update(status=status, headers=headers, body=body, body_omitted=body_omitted)
 
     def headers_json(self) -> str:
         text = _HEADERS_TEXT.get(self.headers)
@@ -85,7 +95,7 @@ def _remember(memo: dict[K, V], key: K, value: V) -> None:
     memo[key] = value
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Completed:
     """A finished request: what Redis caches and what a replay needs (C9, C22)."""
 
@@ -94,6 +104,12 @@ class Completed:
     response: StoredResponse
 
     FORMAT_VERSION = 1
+
+    def __init__(self, fingerprint: str, expires_at_ms: int, response: StoredResponse) -> None:
+        # In one call, not a frozen dataclass's object.__setattr__ per field (issue 11).
+        self.__dict__.update(
+            fingerprint=fingerprint, expires_at_ms=expires_at_ms, response=response
+        )
 
     def to_json(self) -> bytes:
         """A safe, versioned wire format for Redis (never pickle)."""
@@ -233,12 +249,11 @@ def record_from_values(values: Sequence[Any]) -> Record:
     ) = values
     response = None
     if state == COMPLETED and status is not None:
-        response = _new(StoredResponse)
-        response.__dict__.update(
-            status=int(status),
-            headers=StoredResponse.headers_from_json(headers),
-            body=bytes(body or b""),
-            body_omitted=bool(omitted),
+        response = StoredResponse(
+            int(status),
+            StoredResponse.headers_from_json(headers),
+            bytes(body or b""),
+            bool(omitted),
         )
     # Filled in directly: a frozen dataclass's __init__ sets each of its fields through
     # object.__setattr__, which cost more than the rest of this function (issue 11).
