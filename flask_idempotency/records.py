@@ -258,23 +258,30 @@ def record_from_values(values: Sequence[Any]) -> Record:
     # Filled in directly: a frozen dataclass's __init__ sets each of its fields through
     # object.__setattr__, which cost more than the rest of this function (issue 11).
     record = _new(Record)
-    record.__dict__.update(
-        id=int(id_),
-        key_digest=key_digest,
-        scope=scope,
-        fingerprint=fingerprint,
-        method=method,
-        path=path,
-        state=state,
-        lock_token=lock_token,
-        created_at_ms=int(created_at_ms),
-        expires_at_ms=int(expires_at_ms),
-        lease_expires_at_ms=None if lease_expires_at_ms is None else int(lease_expires_at_ms),
-        completed_at_ms=None if completed_at_ms is None else int(completed_at_ms),
-        response=response,
-        now_ms=int(now_ms),
+    _set(
+        record,
+        "__dict__",
+        {
+            "id": int(id_),
+            "key_digest": key_digest,
+            "scope": scope,
+            "fingerprint": fingerprint,
+            "method": method,
+            "path": path,
+            "state": state,
+            "lock_token": lock_token,
+            "created_at_ms": int(created_at_ms),
+            "expires_at_ms": int(expires_at_ms),
+            "lease_expires_at_ms": None
+            if lease_expires_at_ms is None
+            else int(lease_expires_at_ms),
+            "completed_at_ms": None if completed_at_ms is None else int(completed_at_ms),
+            "response": response,
+            "now_ms": int(now_ms),
+        },
     )
     return record
 
 
 _new = object.__new__
+_set = object.__setattr__
