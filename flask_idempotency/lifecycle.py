@@ -342,7 +342,7 @@ def _own(decision: _Decision, claim: Claim, req: Any, app: Flask) -> Ownership:
     after_this_request(functools.partial(_settle, own))
     # Whatever ends the request without that (an exception Flask propagates, an exit)
     # releases the claim when Flask closes the request.
-    req.close = _closing_unsettled(req.close, own)
+    req.close = _closing_unsettled(req, own)
     _start_heartbeat(own, app, req.endpoint)
     if signals.request_executed.receivers:
         _emit(signals.request_executed, decision, how=claim.how)
@@ -363,7 +363,10 @@ def _run_owner(
         raise
 
 
-def _closing_unsettled(close: Callable[[], None], own: Ownership) -> Callable[[], None]:
+def _closing_unsettled(req: Any, own: Ownership) -> Callable[[], None]:
+    """``req.close`` that first releases a claim left unsettled, then closes as before."""
+    close = req.close
+
     def close_request() -> None:
         try:
             _stop_heartbeat(own)
@@ -371,7 +374,13 @@ def _closing_unsettled(close: Callable[[], None], own: Ownership) -> Callable[[]
                 failed = own.failed or sys.exc_info()[0] is not None
                 _settle_unfinished(own, "exception" if failed else "unfinished")
         finally:
-            close()
+            try:
+                close()
+            finally:
+                # The request holds this function, which holds the request: unlinked
+                # once closed, the request (its environ, body, ownership) is freed at
+                # once rather than left to the cycle collector (issue 11).
+                vars(req).pop("close", None)
 
     return close_request
 
