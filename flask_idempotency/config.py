@@ -8,6 +8,7 @@ re-parses configuration and a mistyped value fails at start-up, not at 3 a.m.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -107,6 +108,13 @@ class Settings:
     heartbeat: bool = True
     #: Seconds after its claim that an owner stops renewing, so a hung view lets go (C44).
     max_runtime: float = 900.0
+
+    @functools.cached_property
+    def header_environ_key(self) -> str:
+        """Where a WSGI environ holds the key header: the name Werkzeug's ``EnvironHeaders``
+        reads, found once instead of on every request."""
+        name = self.header.upper().replace("-", "_")
+        return name if name in ("CONTENT_TYPE", "CONTENT_LENGTH") else "HTTP_" + name
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Settings:

@@ -26,6 +26,8 @@ from .store import DurableStore
 from .wakeup import WakeupHub
 
 EXTENSION_NAME = "idempotency"
+#: Routes whose merged options :meth:`AppState.effective_options` keeps.
+_OPTIONS_KEPT = 1024
 log = logging.getLogger("flask_idempotency")
 
 
@@ -40,11 +42,14 @@ class AppState:
     wakeups: WakeupHub
     #: The database's clock as seen from this process: how long a cached copy may live (C42).
     clock: DatabaseClock = dataclasses.field(default_factory=DatabaseClock)
-    _options: dict[RouteOptions, EffectiveOptions] = dataclasses.field(default_factory=dict)
+    _options: dict[int, tuple[RouteOptions, EffectiveOptions]] = dataclasses.field(
+        default_factory=dict
+    )
     #: One line per outage of the durable store, not one per failed request.
     outage_log: lifecycle.ThrottledLog = dataclasses.field(default_factory=lifecycle.ThrottledLog)
-    #: Whether this app has said that it runs on the default scope (once per app).
-    _default_scope_told: threading.Event = dataclasses.field(default_factory=threading.Event)
+    #: Whether this app has said that it runs on the default scope (once per app): a
+    #: plain flag, read on every request without a call.
+    _default_scope_told: bool = False
     _default_scope_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def look_up(
@@ -66,7 +71,8 @@ class AppState:
             self.clock.observe(outcome.now_ms, sent_at)
             if outcome.state == COMPLETED:
                 completed = outcome.completed()
-                self.promote(ident.key_digest, completed)  # read-through (C23)
+                if type(self.cache) is not NoCache:  # (without a cache tier: nothing to do)
+                    self.promote(ident.key_digest, completed)  # read-through (C23)
                 return completed, "database"
         elif outcome.how in ("new", "replaced"):  # the database set expiry = its now + ttl
             self.clock.observe(outcome.expires_at_ms - int(ttl * 1000), sent_at)
@@ -92,9 +98,19 @@ class AppState:
         self.wakeups.announce(key_digest, "done")
 
     def effective_options(self, route: RouteOptions) -> EffectiveOptions:
-        options = self._options.get(route)
-        if options is None:
-            options = self._options[route] = EffectiveOptions.merge(self.settings, route)
+        """The options a request to a route with ``route`` runs with, merged once per route.
+
+        Found by the route options' identity: hashing them (a dataclass hashes all its
+        fields) cost more than the look-up. The entry holds ``route``, so its id is never
+        another object's while it is there; bounded, for callers with passing options.
+        """
+        entry = self._options.get(id(route))
+        if entry is not None and entry[0] is route:
+            return entry[1]
+        options = EffectiveOptions.merge(self.settings, route)
+        if len(self._options) >= _OPTIONS_KEPT:
+            self._options.clear()
+        self._options[id(route)] = (route, options)
         return options
 
     @property
@@ -112,25 +128,29 @@ class AppState:
             )
         return db
 
-    def scope_for_request(self) -> str:
-        """The scope of the current request: the registered loader's, else the default (C5)."""
+    def scope_for_request(self, req: Any = None, app: Flask | None = None) -> str:
+        """The scope of the current request: the registered loader's, else the default (C5).
+
+        ``req`` and ``app``: the request and its app, when the caller has them (each saves
+        a context look-up per request).
+        """
         loader = self.extension._scope_loader
         if loader is not None:
             scope = loader()
-            if scope is not None and str(scope) != "":
-                return "scope:" + str(scope)
-        else:
+            if scope is not None:
+                text = str(scope)
+                if text != "":
+                    return "scope:" + text
+        elif not self._default_scope_told:
             self._tell_default_scope()
-        return default_scope(request)
+        return default_scope(request if req is None else req, app)
 
     def _tell_default_scope(self) -> None:
         """Warn once per app that keys are scoped by the defaults, and what they risk (C46)."""
-        if self._default_scope_told.is_set():
-            return
         with self._default_scope_lock:
-            if self._default_scope_told.is_set():
+            if self._default_scope_told:
                 return
-            self._default_scope_told.set()
+            self._default_scope_told = True
         log.warning(
             "idempotency: no scope_loader is registered, so keys are scoped by the Flask-Login"
             " user when one is logged in, else by a digest of the Authorization header (a client"

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable
 from typing import IO, Any
 
-from flask import Request, current_app
+from flask import Flask, Request, current_app
 from werkzeug.local import LocalProxy
 from werkzeug.wsgi import LimitedStream
 
@@ -83,7 +83,7 @@ def key_digest(scope: str, key: str) -> str:
     ).hexdigest()
 
 
-def default_scope(request: Request) -> str:
+def default_scope(request: Request, app: Flask | None = None) -> str:
     """Scope when no ``scope_loader`` is registered (C46).
 
     The Flask-Login user when one is logged in; else a digest of
@@ -91,17 +91,21 @@ def default_scope(request: Request) -> str:
     after a refresh is a new request; else the shared scope ``anonymous``, where
     any client that guesses another's key could read its response. Register a
     ``scope_loader`` that names the tenant or user to avoid both.
+
+    ``app``: the request's app, when the caller has it (saves a context look-up).
     """
-    user_id = _login_user_id()
+    user_id = _login_user_id(app)
     if user_id is not None:
         return "user:" + user_id
-    authorization = _unproxied(request).headers.get("Authorization")
+    # The environ entry ``headers.get("Authorization")`` reads, without building the
+    # request's header view for it.
+    authorization = _unproxied(request).environ.get("HTTP_AUTHORIZATION")
     if not authorization:
         return ANONYMOUS_SCOPE
     return "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
 
 
-def _login_user_id() -> str | None:
+def _login_user_id(app: Flask | None = None) -> str | None:
     """``current_user.get_id()`` when the app uses Flask-Login and a user is logged in.
 
     Looked up in ``sys.modules``, not imported: an app that uses Flask-Login has
@@ -109,7 +113,9 @@ def _login_user_id() -> str | None:
     ``LoginManager`` has no ``current_user`` to ask.
     """
     flask_login = sys.modules.get("flask_login")
-    if flask_login is None or getattr(current_app, "login_manager", None) is None:
+    if flask_login is None:
+        return None
+    if getattr(current_app if app is None else app, "login_manager", None) is None:
         return None
     user = flask_login.current_user
     if user is None or not getattr(user, "is_authenticated", False):
@@ -385,5 +391,6 @@ def _unproxied(request: Request) -> Request:
     Every attribute read through the proxy looks the request up in a context
     variable again; a fingerprint reads a dozen, which was half its cost (issue 11).
     """
-    get = getattr(request, "_get_current_object", None)
-    return get() if get is not None else request
+    if isinstance(request, LocalProxy):
+        return request._get_current_object()  # type: ignore[no-any-return]
+    return request

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import functools
 import secrets
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from flask import Request, current_app
 from markupsafe import Markup, escape
@@ -77,9 +78,14 @@ def key_from_form(request: Request, settings: Settings) -> str | None:
         raise InvalidKey(f"The form field {name!r}: {exc}") from None
 
 
-def omitted_fields(settings: Settings) -> frozenset[str]:
-    """Form fields the fingerprint leaves out: the key's own and the CSRF token."""
-    csrf = current_app.config.get("WTF_CSRF_FIELD_NAME", DEFAULT_CSRF_FIELD)
+def omitted_fields(settings: Settings, config: Mapping[str, Any] | None = None) -> frozenset[str]:
+    """Form fields the fingerprint leaves out: the key's own and the CSRF token.
+
+    ``config``: the app's config, when the caller has the app (saves a context look-up).
+    """
+    if config is None:
+        config = current_app.config
+    csrf = config.get("WTF_CSRF_FIELD_NAME", DEFAULT_CSRF_FIELD)
     return _omitted(settings.form_field, csrf if isinstance(csrf, str) else DEFAULT_CSRF_FIELD)
 
 

@@ -148,13 +148,15 @@ def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper that stands for ``view``: decide, run the view as the owner, settle."""
     state: AppState = app.extensions["idempotency"]
     run_view = app.ensure_sync(view)  # a coroutine view runs as Flask would run it
+    # A view function's own options are fixed; a class-based view's depend on the method.
+    fixed: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
 
     @functools.wraps(view)
     def protected(*args: Any, **kwargs: Any) -> Any:
         req = _current_request()  # bound once: each read through the proxy is a context lookup
-        route = _route_options(view, req.method)
+        route = fixed if fixed is not None else _route_options(view, req.method)
         if route is not None:
-            decided = _decide_request(state, req, route)
+            decided = _decide_request(state, req, route, app)
             if isinstance(decided, Ownership):
                 return _run_owner(decided, run_view, args, kwargs)
             if decided is not None:
@@ -183,7 +185,9 @@ def _route_options(view: Callable[..., Any], method: str) -> RouteOptions | None
 # -- deciding --------------------------------------------------------------------------
 
 
-def _decide_request(state: AppState, req: Any, route: RouteOptions) -> Response | Ownership | None:
+def _decide_request(
+    state: AppState, req: Any, route: RouteOptions, app: Flask
+) -> Response | Ownership | None:
     """What to do with a request to a protected view: the answer to send instead of
     running the view, the ownership under which the view runs, or ``None`` to run it
     without protection (no key, another method, a failed-open store).
@@ -199,9 +203,10 @@ def _decide_request(state: AppState, req: Any, route: RouteOptions) -> Response 
     started = time.perf_counter()
     settings = state.settings
     try:
-        # One environ look-up: a WSGI server joins repeated header lines into one value,
-        # so a list can never hold more than it (``getlist`` would scan the whole environ).
-        header = req.headers.get(settings.header)
+        # The environ entry ``req.headers.get(settings.header)`` reads: a WSGI server
+        # joins repeated header lines into one value, so it never holds more than one
+        # (``getlist`` would scan the whole environ).
+        header = req.environ.get(settings.header_environ_key)
         key = (
             parse_key([header], strict=settings.strict_header, max_length=settings.key_max_length)
             if header is not None
@@ -213,13 +218,13 @@ def _decide_request(state: AppState, req: Any, route: RouteOptions) -> Response 
         if options.required:
             raise MissingKey(f"This endpoint requires an {settings.header} header.")  # C4
         return None
-    scope = state.scope_for_request()
+    scope = state.scope_for_request(req, app)
     ident = Identity(
-        scope=scope,
-        key_digest=key_digest(scope, key),
-        fingerprint=request_fingerprint(req, forms.omitted_fields(settings)),
-        method=method,
-        path=req.path,
+        scope,
+        key_digest(scope, key),
+        request_fingerprint(req, forms.omitted_fields(settings, app.config)),
+        method,
+        req.path,
     )
     decision = _Decision(state, ident, options, started)
     try:
@@ -234,14 +239,17 @@ def _decide_request(state: AppState, req: Any, route: RouteOptions) -> Response 
         decision.source = "cache"
         outcome = cached
     if isinstance(outcome, Claim):
-        return _own(decision, outcome, req)
+        return _own(decision, outcome, req, app)
     return _answer(decision, outcome)
 
 
 def _decide(decision: _Decision) -> Claim | Completed | Record:
-    outcome = _look_up(decision)
-    if _in_flight(decision, outcome):
-        outcome = _wait_for_original(decision, outcome)  # type: ignore[arg-type]
+    options = decision.options
+    outcome, decision.source = decision.state.look_up(
+        decision.ident, ttl=options.ttl, lease=options.lease, guard_locks=options.atomic
+    )
+    if type(outcome) is Record and _in_flight(decision, outcome):
+        outcome = _wait_for_original(decision, outcome)
     return outcome
 
 
@@ -302,12 +310,13 @@ def _answer(decision: _Decision, outcome: Completed | Record) -> Response:
             " (another body, query, method or route). Use a new key for a new request."
         )  # C7
     if isinstance(outcome, Completed):
-        _emit(
-            signals.request_replayed,
-            decision,
-            source=decision.source,
-            status=outcome.response.status,
-        )
+        if signals.request_replayed.receivers:  # (every replay: no arguments built for none)
+            _emit(
+                signals.request_replayed,
+                decision,
+                source=decision.source,
+                status=outcome.response.status,
+            )
         return replay(outcome, decision.state.settings)  # C9
     _emit(signals.request_conflict, decision)
     raise RequestInProgress(
@@ -320,7 +329,7 @@ def _answer(decision: _Decision, outcome: Completed | Record) -> Response:
 # -- running the view as the owner ---------------------------------------------------
 
 
-def _own(decision: _Decision, claim: Claim, req: Any) -> Ownership:
+def _own(decision: _Decision, claim: Claim, req: Any, app: Flask) -> Ownership:
     """Take up the claim: the request now owns the record until it settles (C15)."""
     if claim.how == "replaced":
         decision.state.cache.discard(decision.ident.key_digest)  # an old copy must not replay
@@ -333,9 +342,10 @@ def _own(decision: _Decision, claim: Claim, req: Any) -> Ownership:
     after_this_request(functools.partial(_settle, own))
     # Whatever ends the request without that (an exception Flask propagates, an exit)
     # releases the claim when Flask closes the request.
-    req.close = _closing_unsettled(req.close, own)
-    _start_heartbeat(own)
-    _emit(signals.request_executed, decision, how=claim.how)
+    req.close = _closing_unsettled(req, own)
+    _start_heartbeat(own, app, req.endpoint)
+    if signals.request_executed.receivers:
+        _emit(signals.request_executed, decision, how=claim.how)
     return own
 
 
@@ -353,7 +363,10 @@ def _run_owner(
         raise
 
 
-def _closing_unsettled(close: Callable[[], None], own: Ownership) -> Callable[[], None]:
+def _closing_unsettled(req: Any, own: Ownership) -> Callable[[], None]:
+    """``req.close`` that first releases a claim left unsettled, then closes as before."""
+    close = req.close
+
     def close_request() -> None:
         try:
             _stop_heartbeat(own)
@@ -361,7 +374,13 @@ def _closing_unsettled(close: Callable[[], None], own: Ownership) -> Callable[[]
                 failed = own.failed or sys.exc_info()[0] is not None
                 _settle_unfinished(own, "exception" if failed else "unfinished")
         finally:
-            close()
+            try:
+                close()
+            finally:
+                # The request holds this function, which holds the request: unlinked
+                # once closed, the request (its environ, body, ownership) is freed at
+                # once rather than left to the cycle collector (issue 11).
+                vars(req).pop("close", None)
 
     return close_request
 
@@ -643,9 +662,10 @@ def _completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> No
     state = own.state
     digest = own.ident.key_digest
     state.announce_completed(digest, Completed(own.ident.fingerprint, expires_at_ms, stored))
-    _emit_owned(
-        signals.response_stored, own, status=stored.status, body_omitted=stored.body_omitted
-    )
+    if signals.response_stored.receivers:
+        _emit_owned(
+            signals.response_stored, own, status=stored.status, body_omitted=stored.body_omitted
+        )
 
 
 def mark_failed(sender: Any, exception: BaseException, **extra: Any) -> None:
@@ -676,13 +696,11 @@ def _release(own: Ownership, reason: str, status: int | None) -> bool:
     return True
 
 
-def _start_heartbeat(own: Ownership) -> None:
+def _start_heartbeat(own: Ownership, app: Flask, endpoint: str | None) -> None:
     """Renew the owner's lease while its view runs (C44), unless the app turned it off."""
     state = own.state
     if not state.settings.heartbeat:
         return
-    app = current_app._get_current_object()  # type: ignore[attr-defined]
-    endpoint = request.endpoint
 
     def report(reason: str) -> None:  # runs on the renewal thread
         log.warning(

@@ -12,7 +12,7 @@ IN_PROGRESS = "in_progress"
 COMPLETED = "completed"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Identity:
     """Who is asking and for what: the record's name and the request's fingerprint."""
 
@@ -22,17 +22,24 @@ class Identity:
     method: str
     path: str
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self, scope: str, key_digest: str, fingerprint: str, method: str, path: str
+    ) -> None:
         # ``path`` comes from the client (``/files/a%00b``) and ``scope`` from the app;
         # PostgreSQL text cannot hold NUL, so an unescaped one would turn a request
         # into a 500. They are informational columns: the record is named by the digest.
-        for name in ("scope", "path"):
-            value = getattr(self, name)
-            if "\x00" in value:
-                object.__setattr__(self, name, value.replace("\x00", "%00"))
+        if "\x00" in scope:
+            scope = scope.replace("\x00", "%00")
+        if "\x00" in path:
+            path = path.replace("\x00", "%00")
+        # Set in one call: the generated __init__ of a frozen dataclass sets each field
+        # through object.__setattr__, which cost more than the rest of it (issue 11).
+        self.__dict__.update(
+            scope=scope, key_digest=key_digest, fingerprint=fingerprint, method=method, path=path
+        )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class StoredResponse:
     """A response as stored and replayed: status, allow-listed headers, exact body bytes."""
 
@@ -40,6 +47,16 @@ class StoredResponse:
     headers: tuple[tuple[str, str], ...]
     body: bytes
     body_omitted: bool = False
+
+    def __init__(
+        self,
+        status: int,
+        headers: tuple[tuple[str, str], ...],
+        body: bytes,
+        body_omitted: bool = False,
+    ) -> None:
+        # In one call, not a frozen dataclass's object.__setattr__ per field (issue 11).
+        self.__dict__.update(status=status, headers=headers, body=body, body_omitted=body_omitted)
 
     def headers_json(self) -> str:
         text = _HEADERS_TEXT.get(self.headers)
@@ -78,7 +95,7 @@ def _remember(memo: dict[K, V], key: K, value: V) -> None:
     memo[key] = value
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Completed:
     """A finished request: what Redis caches and what a replay needs (C9, C22)."""
 
@@ -87,6 +104,12 @@ class Completed:
     response: StoredResponse
 
     FORMAT_VERSION = 1
+
+    def __init__(self, fingerprint: str, expires_at_ms: int, response: StoredResponse) -> None:
+        # In one call, not a frozen dataclass's object.__setattr__ per field (issue 11).
+        self.__dict__.update(
+            fingerprint=fingerprint, expires_at_ms=expires_at_ms, response=response
+        )
 
     def to_json(self) -> bytes:
         """A safe, versioned wire format for Redis (never pickle)."""
@@ -226,33 +249,39 @@ def record_from_values(values: Sequence[Any]) -> Record:
     ) = values
     response = None
     if state == COMPLETED and status is not None:
-        response = _new(StoredResponse)
-        response.__dict__.update(
-            status=int(status),
-            headers=StoredResponse.headers_from_json(headers),
-            body=bytes(body or b""),
-            body_omitted=bool(omitted),
+        response = StoredResponse(
+            int(status),
+            StoredResponse.headers_from_json(headers),
+            bytes(body or b""),
+            bool(omitted),
         )
     # Filled in directly: a frozen dataclass's __init__ sets each of its fields through
     # object.__setattr__, which cost more than the rest of this function (issue 11).
     record = _new(Record)
-    record.__dict__.update(
-        id=int(id_),
-        key_digest=key_digest,
-        scope=scope,
-        fingerprint=fingerprint,
-        method=method,
-        path=path,
-        state=state,
-        lock_token=lock_token,
-        created_at_ms=int(created_at_ms),
-        expires_at_ms=int(expires_at_ms),
-        lease_expires_at_ms=None if lease_expires_at_ms is None else int(lease_expires_at_ms),
-        completed_at_ms=None if completed_at_ms is None else int(completed_at_ms),
-        response=response,
-        now_ms=int(now_ms),
+    _set(
+        record,
+        "__dict__",
+        {
+            "id": int(id_),
+            "key_digest": key_digest,
+            "scope": scope,
+            "fingerprint": fingerprint,
+            "method": method,
+            "path": path,
+            "state": state,
+            "lock_token": lock_token,
+            "created_at_ms": int(created_at_ms),
+            "expires_at_ms": int(expires_at_ms),
+            "lease_expires_at_ms": None
+            if lease_expires_at_ms is None
+            else int(lease_expires_at_ms),
+            "completed_at_ms": None if completed_at_ms is None else int(completed_at_ms),
+            "response": response,
+            "now_ms": int(now_ms),
+        },
     )
     return record
 
 
 _new = object.__new__
+_set = object.__setattr__

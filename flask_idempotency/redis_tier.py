@@ -480,6 +480,10 @@ class RedisCache:
         self._shards = shards
         self._foreign_logged = False
         self._reader = _reader_for(client)
+        #: The part of every record name before its digest, and the origin as bytes,
+        #: made once the origin is known (every read used to format them again).
+        self._name_head: str | None = None
+        self._origin_bytes: bytes | None = None
 
     def outage_for(self, key_digest: str | None) -> Outage:
         """The back-off that guards this record's node: on a cluster, one per master, so a
@@ -494,7 +498,10 @@ class RedisCache:
 
     def record_name(self, key_digest: str) -> str:
         """The Redis key of a completed record: the digest only, in a hash tag (R70)."""
-        return f"{_names_prefix(self.prefix, self.origin)}:{{{key_digest}}}"
+        head = self._name_head
+        if head is None:
+            head = self._name_head = f"{_names_prefix(self.prefix, self.origin)}:{{"
+        return head + key_digest + "}"
 
     def _encode(self, record: Completed) -> bytes:
         return self.origin.encode("ascii") + b"\n" + encode_value(record)
@@ -505,7 +512,10 @@ class RedisCache:
         origin, sep, body = raw.partition(b"\n")
         if not sep:
             return None  # an older format, or not ours: a miss
-        if origin != self.origin.encode("ascii"):
+        ours = self._origin_bytes
+        if ours is None:
+            ours = self._origin_bytes = self.origin.encode("ascii")
+        if origin != ours:
             if not self._foreign_logged:
                 self._foreign_logged = True
                 log.warning(
@@ -526,14 +536,15 @@ class RedisCache:
         return self._client.get(self.record_name(key_digest))
 
     def get(self, key_digest: str) -> Completed | None:
-        if not self.outage_for(key_digest).allows():
+        outage = self.outage_for(key_digest)
+        if not outage.allows():
             return None
         try:
             raw = self._read(key_digest)
         except Exception as exc:
             self._failed(exc, "get", key_digest)
             return None
-        self._succeeded(key_digest)
+        _report_success(outage)
         if raw is None:
             return None
         try:

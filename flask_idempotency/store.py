@@ -369,10 +369,7 @@ class DurableStore:
         else:
             statement = self._direct_sql("claim", self._at_once_statement)
         params = _claim_params(ident, token, ttl_ms, lease_ms)
-
-        def claim_or_read(cursor: Any, info: dict[str, Any]) -> Any:
-            return direct.fetchone(cursor, info, statement, params)
-
+        claim_or_read = functools.partial(direct.fetchone, statement=statement, params=params)
         row = self._run_direct(direct, statement.sql, claim_or_read)
         if row is None:  # pragma: no cover - the outer SELECT always yields one row
             return None
@@ -564,10 +561,7 @@ class DurableStore:
             return self._run(lambda conn: self._select(conn, key_digest), self._single())
         statement = self._direct_sql("get", self._select_statement)
         params = {"p_key_digest": key_digest}
-
-        def read(cursor: Any, info: dict[str, Any]) -> Any:
-            return direct.fetchone(cursor, info, statement, params)
-
+        read = functools.partial(direct.fetchone, statement=statement, params=params)
         row = self._run_direct(direct, statement.sql, read)
         if row is None:
             return None
@@ -850,7 +844,7 @@ class DurableStore:
         self, direct: DirectStatements, sql: str, work: Callable[[Any, dict[str, Any]], T]
     ) -> T:
         """:meth:`_run` for ``work`` on a cursor of the direct path (:mod:`.store_direct`)."""
-        return self._retrying(lambda: direct.run(sql, work))
+        return self._retrying(functools.partial(direct.run, sql, work))
 
     def _retrying(self, once: Callable[[], T], *, lock_wait_is_final: bool = False) -> T:
         """``once()``, with the retries and the outage rule of :meth:`_run`."""

@@ -26,8 +26,9 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine
@@ -69,7 +70,6 @@ class DirectSQL:
     __slots__ = (
         "_execute",
         "_plain",
-        "_plain_arguments",
         "arguments",
         "body_at",
         "name",
@@ -102,31 +102,103 @@ class DirectSQL:
         self.name = f"flask_idempotency_{digest}"
         # Run without parameters, the driver leaves the text as it is: ``%%`` is ``%``.
         self.prepare = f"PREPARE {self.name} ({types}) AS {numbered}".replace("%%", "%").encode()
-        # The texts to run, as %-templates: ``%s`` for each value a run passes, and the
+        # The texts to run, as %-templates: a slot for each value a run passes, and the
         # statement's own constants (SQLAlchemy's literal parameters) written in.
-        slots: dict[str, str] = {}
+        constants: dict[str, str] = {}
+        kinds: dict[str, type] = {}
         for name in names:
             given = compiled.binds[name].required  # a bindparam() without a value
             literal = None if given else _plain_literal(compiled.params[name])
-            slots[name] = "%s" if literal is None else literal.decode().replace("%", "%%")
+            if literal is None:
+                kinds[name] = _python_type(compiled.binds[name].type)
+            else:
+                constants[name] = literal.decode().replace("%", "%%")
         #: The names of the values each run passes, in the order :meth:`executed` wants.
-        self.arguments = tuple(name for name in names if slots[name] == "%s")
+        self.arguments = tuple(name for name in names if name not in constants)
         escaped_prefix = prefix.replace("%", "%%")
-        listed = ", ".join(slots[name] for name in names)
-        self._execute = f"{escaped_prefix}EXECUTE {self.name} ({listed})".encode()
         parts = _PLACEHOLDER.split(sql)  # text, name, text, name, ..., text (``%%`` kept)
-        plain = "".join(slots[part] if i % 2 else part for i, part in enumerate(parts))
-        self._plain = (escaped_prefix + plain).encode()
-        self._plain_arguments = tuple(name for name in parts[1::2] if slots[name] == "%s")
+
+        def template(slot: Callable[[str], str]) -> tuple[str, str]:
+            """The EXECUTE and the plain statement, each value's slot written by ``slot``."""
+            fill = {name: constants[name] if name in constants else slot(name) for name in names}
+            listed = ", ".join(fill[name] for name in names)
+            plain = "".join(fill[part] if i % 2 else part for i, part in enumerate(parts))
+            return f"{escaped_prefix}EXECUTE {self.name} ({listed})", escaped_prefix + plain
+
+        execute, plain = template(lambda name: "%s")
+        # Used only when every value's type is one of these two (see _Filled).
+        typed_execute, typed_plain = template(lambda name: "'%s'" if kinds[name] is str else "%d")
+        plain_arguments = tuple(name for name in parts[1::2] if name not in constants)
+        self._execute = _Filled(execute, typed_execute, self.arguments, kinds)
+        self._plain = _Filled(plain, typed_plain, plain_arguments, kinds)
 
     def executed(self, cursor: Any, params: dict[str, Any]) -> bytes:
         """``EXECUTE`` of the prepared statement with ``params`` (:attr:`arguments`) as literals."""
-        return self._execute % tuple([_literal(cursor, params[name]) for name in self.arguments])
+        return self._execute.written(cursor, params)
 
     def plain(self, cursor: Any, params: dict[str, Any]) -> bytes:
         """The statement itself with ``params`` as literals (no statement prepared)."""
-        values = [_literal(cursor, params[name]) for name in self._plain_arguments]
-        return self._plain % tuple(values)
+        return self._plain.written(cursor, params)
+
+
+def _python_type(sql_type: Any) -> type:
+    """The Python type a bound value of ``sql_type`` has (``object`` when unknown)."""
+    try:
+        python_type: type = sql_type.python_type
+    except NotImplementedError:
+        return object
+    return python_type
+
+
+class _Filled:
+    """A statement's %-template and the names of the values each run writes into it.
+
+    Nearly every value the store sends is plain text (hex digests, a method, a plain
+    path and scope) or a non-negative integer: when every value of a run is one of
+    those, of the type its column takes, the whole statement is written in one step
+    from a template with each slot already typed (``'%s'``, ``%d``), after one check of
+    all its texts at once (issue 11). Any other run writes each value as
+    :func:`_literal` does. Both give the same bytes.
+    """
+
+    __slots__ = ("_any", "_get", "_ints", "_kinds", "_texts", "_typed")
+
+    def __init__(
+        self, template: str, typed: str, names: tuple[str, ...], kinds: dict[str, type]
+    ) -> None:
+        self._any = template.encode()
+        self._get = _tuple_of(names)
+        wanted = tuple(kinds[name] for name in names)
+        # (Value by value is as quick for one or two values.)
+        typed_fits = len(wanted) > 2 and all(kind in (str, int) for kind in wanted)
+        #: The types the values must have for the typed template, or ``None`` (never).
+        self._kinds = wanted if typed_fits else None
+        self._typed = typed
+        self._texts = _tuple_of([i for i, kind in enumerate(wanted) if kind is str])
+        self._ints = _tuple_of([i for i, kind in enumerate(wanted) if kind is int])
+
+    def written(self, cursor: Any, params: dict[str, Any]) -> bytes:
+        values = self._get(params)
+        if (
+            self._kinds is not None
+            and tuple(map(type, values)) == self._kinds
+            # Plain text joined is plain exactly when each part is: one match checks all.
+            and _PLAIN_TEXT("".join(self._texts(values)))
+            # (psycopg2 writes a negative number with a space before its sign)
+            and min(self._ints(values), default=0) >= 0
+        ):
+            return (self._typed % values).encode()
+        return self._any % tuple([_literal(cursor, value) for value in values])
+
+
+def _tuple_of(keys: Sequence[Any]) -> Callable[[Any], tuple[Any, ...]]:
+    """``lambda container: tuple(container[key] for key in keys)``, in one C call where it can."""
+    if len(keys) > 1:
+        return operator.itemgetter(*keys)
+    if len(keys) == 1:
+        only = keys[0]
+        return lambda container: (container[only],)
+    return lambda container: ()
 
 
 #: Text that is a valid SQL string literal between single quotes whatever the server's

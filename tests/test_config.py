@@ -139,6 +139,24 @@ def test_unknown_idempotency_keys_are_ignored_but_known_ones_read() -> None:
     assert s.header == "X-Idem"
 
 
+@pytest.mark.parametrize(
+    "name", ["Idempotency-Key", "x-request-KEY", "X_Odd-Name", "Content-Type", "content-length"]
+)
+def test_c2_the_key_header_is_read_from_where_werkzeug_reads_it(name: str) -> None:
+    """The layer reads the key header's environ entry directly (issue 11): for any header
+    name, the same entry Werkzeug's request headers read, CGI names included."""
+    from werkzeug.datastructures import EnvironHeaders
+    from werkzeug.test import EnvironBuilder
+
+    key = Settings.from_config({"IDEMPOTENCY_HEADER": name}).header_environ_key
+    environ = EnvironBuilder(
+        method="POST", data=b"1", headers={name: "the-value"}, content_type="text/plain"
+    ).get_environ()
+    assert environ.get(key) == EnvironHeaders(environ).get(name) is not None
+    environ.pop(key)
+    assert EnvironHeaders(environ).get(name) is None
+
+
 # -- per-route options --------------------------------------------------------------------
 
 

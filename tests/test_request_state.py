@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any
 
+import pytest
 from flask import g, jsonify
 
 import flask_idempotency
@@ -176,3 +177,34 @@ def test_i11_an_unprotected_request_runs_nothing_of_the_layer(make_app) -> None:
     first = client.post("/pay", headers=KEY)
     again = client.post("/pay", headers=KEY)
     assert first.status_code == 201 and again.headers.get("Idempotent-Replayed") == "true"
+
+
+@pytest.mark.parametrize("outcome", ["stored", "released"])
+def test_i11_c15_an_owner_request_is_freed_without_the_cycle_collector(make_app, outcome) -> None:
+    """C15: the claim's close hook on the request is taken off once the request closes,
+    so an owner's request (its environ, body and ownership) is freed when its context
+    ends, not kept until the cycle collector runs (every first execution left one)."""
+    import gc
+    import weakref
+
+    from flask import request
+
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    seen: list[weakref.ref[Any]] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        seen.append(weakref.ref(request._get_current_object()))
+        return jsonify(paid=True), 201 if outcome == "stored" else 503
+
+    client = app.test_client()
+    client.post("/pay", headers={"Idempotency-Key": "warm"}, json={"n": 0})
+    gc.collect()
+    gc.disable()
+    try:
+        response = client.post("/pay", headers=KEY, json={"n": 1, "pad": "x" * 1000})
+        assert response.status_code == (201 if outcome == "stored" else 503)
+        assert seen[-1]() is None
+    finally:
+        gc.enable()
