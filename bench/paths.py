@@ -210,6 +210,10 @@ def build_inprocess(db_url: str, redis_url: str) -> Built:
     create_idemkit_table(db_url, "ik_inproc")
     ik_redis = create_app("idemkit-redis", redis_url=redis_url, table="ik_inproc")
     ik_pg = create_app("idemkit-pg", database_url=db_url, table="ik_inproc")
+    # A second app without idempotency, made last: what two identical apps of one process
+    # differ by (where each lies in memory), the noise between the bare route of one app
+    # and the unprotected route of another.
+    other_plain = create_app("plain")
 
     # The records the replay paths replay, stored by a first request each.
     fixed: dict[str, str] = {}
@@ -249,6 +253,14 @@ def build_inprocess(db_url: str, redis_url: str) -> Built:
             "the same bare route again (noise)",
             "Flask",
             WsgiCaller(plain, "/bare"),
+            lambda: None,
+            False,
+        ),
+        _wsgi(
+            "bare-other",
+            "the bare route of a second app without idempotency (noise between apps)",
+            "Flask",
+            WsgiCaller(other_plain, "/bare"),
             lambda: None,
             False,
         ),

@@ -38,10 +38,12 @@ def analyse(paths: list[Path_]) -> dict[str, Any]:
                 }
         rows.append(row)
     bare_summary = summary(bare)
+    other = ratio_to(by["bare-other"], bare) if "bare-other" in by else None
     return {
         "bare": bare_summary,
         "noise": {
             "twin_ratio": twin,
+            "other_app_ratio": other,
             "twin_deviation_pct": 100 * max(abs(twin["min"] - 1), abs(twin["max"] - 1)),
             "bare_round_p50_us": bare_summary["round_p50_us"],
             "bare_spread_pct": bare_summary["spread_pct"],
@@ -107,7 +109,14 @@ def noise_line(result: dict[str, Any], what: str) -> str:
         f" harness) gave a twin ÷ bare ratio of {_ratio(n['twin_ratio'])} across rounds, i.e. up to"
         f" ±{n['twin_deviation_pct']:.0f}% between two identical paths; the bare p50 ranged"
         f" {min(p50s):,.0f}–{max(p50s):,.0f} µs over the rounds (spread {n['bare_spread_pct']:.0f}% of its median)."
-        " A ratio that moves by less than this is not a measured change."
+        + (
+            f" The same bare route of a second, identical app without idempotency ran at"
+            f" {_ratio(n['other_app_ratio'])} of the first: what two apps of one process differ by"
+            " when nothing else differs (the unprotected route is one app against another)."
+            if n.get("other_app_ratio")
+            else ""
+        )
+        + " A ratio that moves by less than this is not a measured change."
     )
 
 
