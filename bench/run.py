@@ -55,8 +55,8 @@ def main() -> int:
     parser.add_argument("--per-round", type=int, default=100)
     parser.add_argument("--http-per-round", type=int, default=50)
     parser.add_argument("--wake-trials", type=int, default=20)
-    parser.add_argument("--wrk-rounds", type=int, default=3)
-    parser.add_argument("--wrk-seconds", type=float, default=4.0)
+    parser.add_argument("--wrk-rounds", type=int, default=5)
+    parser.add_argument("--wrk-seconds", type=float, default=5.0)
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument(
