@@ -225,8 +225,8 @@ def _hash_body(request: Request, body: Any, omit_fields: frozenset[str] = frozen
         # view would have it parsed, and the view reuses that parse: its fields (and
         # uploads, spooled to Werkzeug's temporary files) are the one copy (C31). The
         # raw bytes are not kept on top of it: an app that verifies a signature over
-        # them caches them in a before_request hook registered before init_app, and
-        # the form is then parsed from that cache, as in Flask without this layer.
+        # them caches them in a before_request hook (every hook runs before the layer
+        # decides), and the form is then parsed from that cache, as in Flask without it.
         body.update(_FORM_MIMETYPES[mimetype])
         _hash_fields(request, body, omit_fields, with_files=mimetype == "multipart/form-data")
     else:
