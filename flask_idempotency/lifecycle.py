@@ -135,13 +135,8 @@ def protect_views(app: Flask) -> None:
 
 
 def _marked(view: Callable[..., Any]) -> bool:
-    if getattr(view, ROUTE_OPTIONS_ATTR, None) is not None:
-        return True
-    view_class = getattr(view, "view_class", None)
-    return view_class is not None and any(
-        getattr(getattr(view_class, name, None), ROUTE_OPTIONS_ATTR, None) is not None
-        for name in _HANDLER_NAMES
-    )
+    """Whether ``view`` is protected for any method (see :func:`_route_options`)."""
+    return any(_route_options(view, name) is not None for name in _HANDLER_NAMES)
 
 
 def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:

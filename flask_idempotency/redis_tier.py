@@ -620,9 +620,7 @@ class RedisCache:
                     pipe.set(self.record_name(key_digest), self._encode(record), px=ttl_ms)
                 pipe.exists(waiting)
                 if pipe.execute()[-1]:
-                    self._client.publish(
-                        notifier.channel, notifier.wakeup_payload(key_digest, event)
-                    )
+                    notifier._publish_now(key_digest, event)
         except Exception as exc:
             self._failed(exc, "promote", key_digest)
             return True
