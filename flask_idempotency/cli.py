@@ -471,7 +471,7 @@ def _check_redis_tier() -> None:
     Requests never fail because Redis is down (C24), which is exactly why the
     operator's check must say so: a configured tier that does not answer exits 1.
     """
-    from .extension import redis_target
+    from .state import redis_target
 
     state = _state()
     target = redis_target(state.settings, state.extension._redis)

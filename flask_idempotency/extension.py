@@ -2,162 +2,28 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-from flask import Flask, current_app, got_request_exception, request
+from flask import Flask, current_app, got_request_exception
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import StaticPool
 
-from . import atomic, forms, lifecycle, process
+from . import forms, lifecycle, process
 from .cache import NoCache, ResponseCache
-from .config import ConfigVars, EffectiveOptions, RouteOptions, Settings
-from .dbclock import DatabaseClock
-from .fingerprint import default_scope
+from .completion.unit import guard_sessions
+from .config import ConfigVars, EffectiveOptions, Settings
 from .jobs import Once
-from .records import COMPLETED, Claim, Completed, Identity, Record
+from .state import AppState, describe_url, redis_target
 from .store import DurableStore
 from .wakeup import WakeupHub
 
 EXTENSION_NAME = "idempotency"
-#: Routes whose merged options :meth:`AppState.effective_options` keeps.
-_OPTIONS_KEPT = 1024
 log = logging.getLogger("flask_idempotency")
-
-
-@dataclasses.dataclass
-class AppState:
-    """Everything the extension keeps for one app, in ``app.extensions["idempotency"]``."""
-
-    extension: Idempotency
-    settings: Settings
-    store: DurableStore
-    cache: ResponseCache
-    wakeups: WakeupHub
-    #: The database's clock as seen from this process: how long a cached copy may live (C42).
-    clock: DatabaseClock = dataclasses.field(default_factory=DatabaseClock)
-    _options: dict[int, tuple[RouteOptions, EffectiveOptions]] = dataclasses.field(
-        default_factory=dict
-    )
-    #: One line per outage of the durable store, not one per failed request.
-    outage_log: lifecycle.ThrottledLog = dataclasses.field(default_factory=lifecycle.ThrottledLog)
-    #: Whether this app has said that it runs on the default scope (once per app): a
-    #: plain flag, read on every request without a call.
-    _default_scope_told: bool = False
-    _default_scope_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-    def look_up(
-        self, ident: Identity, *, ttl: float, lease: float, guard_locks: bool
-    ) -> tuple[Claim | Completed | Record, str]:
-        """Cache first (completed records only), then claim or read the durable record.
-
-        Returns the outcome and where it came from (``cache`` or ``database``). A
-        completed durable record is promoted for the time it has left by the
-        database's clock (C23, C42); every answer of the store refreshes that clock.
-        Requests and ``once()`` both decide from this one lookup.
-        """
-        cached = self.cache.get(ident.key_digest)
-        if cached is not None:  # Redis expires each copy when its record expires (C42)
-            return cached, "cache"
-        sent_at = self.clock.mark()
-        outcome = self.store.acquire(ident, ttl=ttl, lease=lease, guard_locks=guard_locks)
-        if isinstance(outcome, Record):
-            self.clock.observe(outcome.now_ms, sent_at)
-            if outcome.state == COMPLETED:
-                completed = outcome.completed()
-                if type(self.cache) is not NoCache:  # (without a cache tier: nothing to do)
-                    self.promote(ident.key_digest, completed)  # read-through (C23)
-                return completed, "database"
-        elif outcome.how in ("new", "replaced"):  # the database set expiry = its now + ttl
-            self.clock.observe(outcome.expires_at_ms - int(ttl * 1000), sent_at)
-        return outcome, "database"
-
-    def promote(self, key_digest: str, completed: Completed) -> None:
-        """Cache a completed record for the time it has left by the database's clock (C42)."""
-        self.cache.promote(key_digest, completed, self.clock.remaining_ms(completed.expires_at_ms))
-
-    def announce_completed(self, key_digest: str, completed: Completed) -> None:
-        """After the durable commit: promote, then wake the waiters everywhere (C23)."""
-        together = getattr(self.cache, "promote_and_publish", None)
-        if together is not None and together(
-            key_digest,
-            completed,
-            self.clock.remaining_ms(completed.expires_at_ms),
-            self.wakeups.channel,
-            "done",
-        ):  # the cached copy and the wake-up left in one round trip
-            self.wakeups.wake(key_digest)
-            return
-        self.promote(key_digest, completed)
-        self.wakeups.announce(key_digest, "done")
-
-    def effective_options(self, route: RouteOptions) -> EffectiveOptions:
-        """The options a request to a route with ``route`` runs with, merged once per route.
-
-        Found by the route options' identity: hashing them (a dataclass hashes all its
-        fields) cost more than the look-up. The entry holds ``route``, so its id is never
-        another object's while it is there; bounded, for callers with passing options.
-        """
-        entry = self._options.get(id(route))
-        if entry is not None and entry[0] is route:
-            return entry[1]
-        options = EffectiveOptions.merge(self.settings, route)
-        if len(self._options) >= _OPTIONS_KEPT:
-            self._options.clear()
-        self._options[id(route)] = (route, options)
-        return options
-
-    @property
-    def has_db(self) -> bool:
-        """Whether the table lives on a Flask-SQLAlchemy ``db`` (migrations own it then)."""
-        return self.extension._db is not None
-
-    def require_db(self) -> Any:
-        """The Flask-SQLAlchemy ``db`` that atomic mode needs (C40)."""
-        db = self.extension._db
-        if db is None:
-            raise RuntimeError(
-                "@idempotent(atomic=True) needs Idempotency(db=db): the view's writes and the"
-                " idempotency record must commit in one database transaction."
-            )
-        return db
-
-    def scope_for_request(self, req: Any = None, app: Flask | None = None) -> str:
-        """The scope of the current request: the registered loader's, else the default (C5).
-
-        ``req`` and ``app``: the request and its app, when the caller has them (each saves
-        a context look-up per request).
-        """
-        loader = self.extension._scope_loader
-        if loader is not None:
-            scope = loader()
-            if scope is not None:
-                text = str(scope)
-                if text != "":
-                    return "scope:" + text
-        elif not self._default_scope_told:
-            self._tell_default_scope()
-        return default_scope(request if req is None else req, app)
-
-    def _tell_default_scope(self) -> None:
-        """Warn once per app that keys are scoped by the defaults, and what they risk (C46)."""
-        with self._default_scope_lock:
-            if self._default_scope_told:
-                return
-            self._default_scope_told = True
-        log.warning(
-            "idempotency: no scope_loader is registered, so keys are scoped by the Flask-Login"
-            " user when one is logged in, else by a digest of the Authorization header (a client"
-            " that refreshes its token between retries gets the view run again), else shared"
-            " as 'anonymous'. Register @idempotency.scope_loader returning the tenant or user"
-            " id."
-        )
 
 
 class Idempotency:
@@ -204,7 +70,7 @@ class Idempotency:
         app.add_template_global(forms.idempotency_key_field, "idempotency_key_field")  # C49
         got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
         if self._db is not None:
-            atomic.guard_sessions(self._db)
+            guard_sessions(self._db)
         from .cli import idempotency_cli
 
         app.cli.add_command(idempotency_cli)
@@ -269,12 +135,12 @@ class Idempotency:
     def _describe_tiers(self, app: Flask, settings: Settings) -> str:
         """``store: <dialect> (<where>), table 'name'; cache: …; wake-ups: …`` for the log."""
         if self._engine is not None:
-            store = f"{_describe_url(self._engine.url)} (engine=)"
+            store = f"{describe_url(self._engine.url)} (engine=)"
         elif self._db is not None:
             uri = app.config.get("SQLALCHEMY_DATABASE_URI")
-            store = f"{_describe_url(uri) if uri else 'the default engine'} (Flask-SQLAlchemy db=)"
+            store = f"{describe_url(uri) if uri else 'the default engine'} (Flask-SQLAlchemy db=)"
         elif settings.database_uri:
-            store = _describe_url(settings.database_uri)
+            store = describe_url(settings.database_uri)
         else:
             store = "sqlite (the default: the instance folder)"
         cache = redis_target(settings, self._redis)
@@ -332,29 +198,6 @@ class Idempotency:
         tier = RedisTier.from_settings(settings, client=self._redis, origin=origin)
         wakeups.channel = tier.notifier
         return tier.cache
-
-
-def redis_target(settings: Settings, client: Any) -> str | None:
-    """Where the Redis tier points, password hidden; ``None`` when there is none."""
-    if client is not None:
-        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
-        where = kwargs.get("path") or (
-            f"{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
-            if "host" in kwargs
-            else None
-        )
-        return f"(Redis client {type(client).__name__}{' at ' + where if where else ''})"
-    if settings.redis_url:
-        return _describe_url(settings.redis_url)
-    return None
-
-
-def _describe_url(url: Any) -> str:
-    """A database or Redis URL with its password hidden."""
-    try:
-        return str(make_url(url).render_as_string(hide_password=True))
-    except Exception:  # not a URL SQLAlchemy can parse: show only its scheme
-        return str(url).split(":", 1)[0] + "://…"
 
 
 #: Flask's convention for configuration from the environment: ``FLASK_<KEY>`` read by

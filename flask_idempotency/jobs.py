@@ -34,18 +34,29 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from flask import current_app
 
-from . import atomic, heartbeat, signals
+from . import signals
+from .completion import heartbeat
+from .completion import unit as atomic
+from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, decide
 from .fingerprint import _digest, key_digest
-from .records import IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
+from .records import Claim, Completed, Identity, Record, StoredResponse
 from .store import StoreError
 from .wakeup import wait_for_owner
 
 if TYPE_CHECKING:
-    from .extension import AppState, Idempotency
+    from .state import AppState
+
+
+class _Extension(Protocol):
+    """What ``once`` needs of the extension: its state on the current app."""
+
+    @property
+    def state(self) -> AppState: ...
+
 
 log = logging.getLogger("flask_idempotency")
 
@@ -110,7 +121,7 @@ class Once:
 
     def __init__(
         self,
-        extension: Idempotency,
+        extension: _Extension,
         key: str | Callable[..., Any],
         *,
         scope: str = "jobs",
@@ -217,39 +228,44 @@ class Once:
         run = Run(ident)
         run._state = state
         run._atomic = self._atomic
-        try:
-            outcome = _look_up(state, run, ttl, lease)
-            if _in_flight(run, outcome) and wait > 0:
-                outcome = _wait_for_owner(state, run, outcome, ttl, lease, wait)  # type: ignore[arg-type]
-        except StoreError as exc:
+        verdict = decide(
+            lambda: state.look_up(ident, ttl=ttl, lease=lease, guard_locks=run._atomic),
+            ident.fingerprint,
+            park=functools.partial(_wait_for_owner, state, run, wait) if wait > 0 else None,
+        )
+        if type(verdict) is Unavailable:
+            exc = verdict.error
             _send(signals.store_error, run, tier="database", error=str(exc), action="claim")
-            raise
-        if isinstance(outcome, Claim):
+            raise exc
+        if type(verdict) is Own:
+            claim = verdict.claim
             run.owned = True
-            run._claim = outcome
-            if outcome.how == "replaced":
+            run._claim = claim
+            if claim.how == "replaced":
                 state.cache.discard(ident.key_digest)
-            elif outcome.how == "taken_over":
+            elif claim.how == "taken_over":
                 _send(signals.lease_taken_over, run)
-            _send(signals.request_executed, run, how=outcome.how)
+            _send(signals.request_executed, run, how=claim.how)
             _start_heartbeat(state, run, lease)
             if self._atomic:
                 self._begin_unit(run)
             return run
-        if outcome.fingerprint != ident.fingerprint:
+        if type(verdict) is KeyReused:
             _send(signals.key_mismatch, run)
             raise JobKeyReused(
                 f"once(): key {ident.key_digest[:16]}… was already used for other work"
                 " (another job name or payload). Use a new key for new work."
             )
-        if isinstance(outcome, Completed):
-            run.result, run.result_omitted = _decode(outcome.response)
+        if type(verdict) is Replay:
+            run.source = verdict.source
+            run.result, run.result_omitted = _decode(verdict.completed.response)
             _send(signals.request_replayed, run, source=run.source, status=200)
             return run
+        assert type(verdict) is InProgress
         _send(signals.request_conflict, run)
         raise JobInProgress(
             "once(): another consumer is running this key; retry later.",
-            retry_after=max(0.1, outcome.lease_remaining),
+            retry_after=max(0.1, verdict.record.lease_remaining),
         )
 
     def _complete(self, run: Run) -> None:
@@ -386,33 +402,19 @@ def job_fingerprint(name: str, payload: Any) -> str:
     return _digest(b"once1", name.encode("utf-8"), canonical.encode("utf-8"))
 
 
-def _look_up(state: AppState, run: Run, ttl: float, lease: float) -> Claim | Completed | Record:
-    """Cache first (completed records only), then claim or read the durable record."""
-    outcome, run.source = state.look_up(run.ident, ttl=ttl, lease=lease, guard_locks=run._atomic)
-    return outcome
-
-
-def _in_flight(run: Run, outcome: Claim | Completed | Record) -> bool:
-    return (
-        isinstance(outcome, Record)
-        and outcome.state == IN_PROGRESS
-        and outcome.fingerprint == run.ident.fingerprint
-    )
-
-
 def _wait_for_owner(
-    state: AppState, run: Run, record: Record, ttl: float, lease: float, wait: float
-) -> Claim | Completed | Record:
+    state: AppState,
+    run: Run,
+    wait: float,
+    record: Record,
+    recheck: Callable[[], Outcome],
+    going: Callable[[Outcome], bool],
+) -> Outcome:
     """Park until the owner finishes or its lease lapses (C10–C13), as a request does."""
     parked_at = time.perf_counter()
     current: Claim | Completed | Record = record
     outcome = wait_for_owner(
-        state.wakeups,
-        run.key_digest,
-        current,
-        wait=wait,
-        recheck=lambda: _look_up(state, run, ttl, lease),
-        in_flight=lambda found: _in_flight(run, found),
+        state.wakeups, run.key_digest, current, wait=wait, recheck=recheck, in_flight=going
     )
     _send(
         signals.request_waited,

@@ -24,8 +24,9 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import OperationalError
 
-from flask_idempotency import heartbeat, idempotent, release_claim, signals
-from flask_idempotency.atomic import ViewCommitted
+from flask_idempotency import idempotent, release_claim, signals
+from flask_idempotency.completion import heartbeat
+from flask_idempotency.completion.unit import ViewCommitted
 from flask_idempotency.fingerprint import key_digest
 from tests.apps.atomicapp import AtomicApp, build_app
 from tests.support.kill_campaign import (

@@ -20,7 +20,8 @@ import pytest
 import requests
 from sqlalchemy.engine import URL, make_url
 
-from flask_idempotency import heartbeat, signals
+from flask_idempotency import signals
+from flask_idempotency.completion import heartbeat
 from tests.apps.atomicapp import AtomicApp, build_app
 from tests.conftest import service_missing
 from tests.support.kill_campaign import AtomicHarness, post_payment

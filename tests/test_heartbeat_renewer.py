@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
-from flask_idempotency import heartbeat
+from flask_idempotency.completion import heartbeat
 from flask_idempotency.extension import create_store_engine
 from flask_idempotency.records import Claim, Identity
 from flask_idempotency.store import DurableStore

@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
-from flask_idempotency import heartbeat, signals
+from flask_idempotency import signals
+from flask_idempotency.completion import heartbeat
 from flask_idempotency.jobs import JobInProgress, JobKeyReused
 from flask_idempotency.records import Identity
 from tests.conftest import redis_server_binary, service_missing

@@ -14,7 +14,8 @@ import pytest
 from flask import Blueprint, abort, g, request
 from flask.views import MethodView
 
-from flask_idempotency import heartbeat, idempotent
+from flask_idempotency import idempotent
+from flask_idempotency.completion import heartbeat
 
 KEY = {"Idempotency-Key": "view-start"}
 

@@ -34,9 +34,9 @@ from collections.abc import Callable
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.pool import QueuePool
 
-from . import process
-from .records import Claim
-from .store import DurableStore
+from .. import process
+from ..records import Claim
+from ..store import DurableStore
 
 log = logging.getLogger("flask_idempotency")
 

@@ -39,8 +39,8 @@ from flask import current_app
 from sqlalchemy import event, select, text
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
-from .records import Claim, StoredResponse
-from .store import DurableStore, StoreError, _describe, _sqlstate
+from ..records import Claim, StoredResponse
+from ..store import DurableStore, StoreError, _describe, _sqlstate
 
 log = logging.getLogger("flask_idempotency")
 
