@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import process
 
@@ -306,7 +306,7 @@ def stop_all(timeout: float = 5.0) -> None:
 
 def running_listeners() -> list[WakeupListener]:
     """The listeners this process has started and not stopped."""
-    return process.running_listeners()
+    return cast("list[WakeupListener]", process.running_listeners())  # the only kind there is
 
 
 def sockets_of(pubsub: Any) -> list[socket.socket] | None:
