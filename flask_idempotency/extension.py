@@ -21,9 +21,9 @@ from .config import ConfigVars, EffectiveOptions, RouteOptions, Settings
 from .dbclock import DatabaseClock
 from .fingerprint import default_scope
 from .jobs import Once
+from .notify import WakeupHub
 from .records import COMPLETED, Claim, Completed, Identity, Record
 from .store import DurableStore
-from .wakeup import WakeupHub
 
 EXTENSION_NAME = "idempotency"
 #: Routes whose merged options :meth:`AppState.effective_options` keeps.

@@ -40,9 +40,9 @@ from flask import current_app
 
 from . import atomic, heartbeat, signals
 from .fingerprint import _digest, key_digest
+from .notify import wait_for_owner
 from .records import IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .store import StoreError
-from .wakeup import wait_for_owner
 
 if TYPE_CHECKING:
     from .extension import AppState, Idempotency

@@ -36,11 +36,11 @@ from . import atomic, forms, heartbeat, signals
 from .config import TRANSIENT_STATUSES, EffectiveOptions, RouteOptions
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
+from .notify import wait_for_owner
 from .problems import InvalidKeyProblem, KeyReused, MissingKey, RequestInProgress, StoreUnavailable
 from .records import IN_PROGRESS, Claim, Completed, Identity, Record, StoredResponse
 from .responses import capture, replay
 from .store import StoreError, StoreMisconfigured
-from .wakeup import wait_for_owner
 
 if TYPE_CHECKING:
     from .extension import AppState

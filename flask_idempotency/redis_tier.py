@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING, Any
 from flask import current_app, has_app_context, has_request_context, request
 
 from . import process, signals
-from .listener import WakeupListener, listener_for
+from .notify.listener import WakeupListener, listener_for
 from .records import Completed, StoredResponse
 
 if TYPE_CHECKING:
     from .config import Settings
-    from .wakeup import WakeupHub
+    from .notify import WakeupHub
 
 log = logging.getLogger("flask_idempotency")
 

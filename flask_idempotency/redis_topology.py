@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
-from .listener import readable_now, sockets_of, wait_readable
+from .notify.listener import readable_now, sockets_of, wait_readable
 
 #: Seconds between two looks at the topology while subscribed (failover, resharding).
 TOPOLOGY_CHECK_INTERVAL = 2.0

@@ -20,9 +20,10 @@ import pytest
 from flask import Flask, jsonify, request
 from sqlalchemy.engine import URL
 
-from flask_idempotency import Idempotency, idempotent, signals, wakeup
+from flask_idempotency import Idempotency, idempotent, signals
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
-from flask_idempotency.wakeup import PollSchedule
+from flask_idempotency.notify import PollSchedule
+from flask_idempotency.notify import hub as wakeup
 from tests.conftest import redis6_server_binary, redis_server_binary
 from tests.support.redis_cluster import RedisCluster3, SentinelGroup, redis_cli
 from tests.support.redis_server import RedisServer
@@ -505,7 +506,7 @@ def test_i15_c10_a_sharded_subscriber_reads_only_shards_with_data_and_every_buff
     have data, not every shard on every message (a redis-py read costs ~7 us of CPU even
     when nothing is there); two messages that arrive in one read are both delivered,
     though the second is already in the client's buffer where no poll sees it."""
-    from flask_idempotency.listener import wait_readable
+    from flask_idempotency.notify.listener import wait_readable
     from flask_idempotency.redis_topology import ShardedSubscriber, cluster_from_url
 
     subscriber = cluster_from_url(cluster.url, socket_timeout=10.0, connect_timeout=1.0)

@@ -30,10 +30,10 @@ import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
-from . import process
+from .. import process
 
 if TYPE_CHECKING:
-    from .wakeup import WakeupHub
+    from .hub import WakeupHub
 
 log = logging.getLogger("flask_idempotency")
 
