@@ -323,7 +323,7 @@ class Idempotency:
     ) -> ResponseCache:
         if self._redis is None and not settings.redis_url:
             return NoCache()
-        from .redis_tier import RedisTier, store_origin
+        from .tier import RedisTier, store_origin
 
         def origin() -> str:
             # Resolved on first use: with db= or engine= the engine may not exist yet.

@@ -4,7 +4,7 @@ Every process keeps a single subscriber connection and a single daemon thread pe
 (Redis, channel), shared by every app that uses them, started on the first parked
 request, never at import or in ``init_app``. Only that thread touches the redis-py
 ``PubSub`` object, which is not safe to share between threads. Request threads
-only register their app's :class:`~flask_idempotency.wakeup.WakeupHub` here.
+only register their app's :class:`~flask_idempotency.notify.hub.WakeupHub` here.
 
 Pub/sub is at-most-once: anything published while we are disconnected is lost.
 So the listener counts as live only after the server's subscribe acknowledgement
@@ -55,6 +55,10 @@ _HEARTBEAT = "flask-idempotency-heartbeat"
 
 class ListenerLost(Exception):
     """The subscription stopped answering; the listener reconnects."""
+
+
+class TopologyChanged(Exception):
+    """The subscriber's view of the masters is out of date: subscribe again."""
 
 
 class _Idle(Exception):
