@@ -81,7 +81,7 @@ STEPS = [
     ("· scope", "flask_idempotency.state", "AppState", "scope_for_request"),
     ("· key digest", "flask_idempotency.lifecycle", None, "key_digest"),
     ("· fingerprint", "flask_idempotency.lifecycle", None, "request_fingerprint"),
-    ("· cache read (Redis GET)", "flask_idempotency.redis_tier", "RedisCache", "get"),
+    ("· cache read (Redis GET)", "flask_idempotency.cache.redis", "RedisCache", "get"),
     ("· claim or read (PostgreSQL)", "flask_idempotency.store", "DurableStore", "acquire"),
     ("· own the claim", "flask_idempotency.lifecycle", None, "_own"),
     ("· build the replay", "flask_idempotency.lifecycle", None, "replay"),
@@ -91,11 +91,11 @@ STEPS = [
     ("· complete (PostgreSQL)", "flask_idempotency.store", "DurableStore", "complete"),
     (
         "· promote + publish (Redis)",
-        "flask_idempotency.redis_tier",
+        "flask_idempotency.cache.redis",
         "RedisCache",
         "promote_and_publish",
     ),
-    ("· wake local waiters", "flask_idempotency.wakeup", "WakeupHub", "wake"),
+    ("· wake local waiters", "flask_idempotency.notify.hub", "WakeupHub", "wake"),
     ("signals (all)", "flask_idempotency.lifecycle", None, "_send"),
 ]
 
@@ -164,8 +164,8 @@ SPY_STEPS = [
     ("claim or read (store.acquire)", "acquire", "flask_idempotency/store.py"),
     ("complete (store.complete)", "complete", "flask_idempotency/store.py"),
     ("release (store.release)", "release", "flask_idempotency/store.py"),
-    ("cache read (RedisTier.get)", "get", "flask_idempotency/redis_tier.py"),
-    ("promote (RedisTier.promote)", "promote", "flask_idempotency/redis_tier.py"),
+    ("cache read (RedisTier.get)", "get", "flask_idempotency/cache/redis.py"),
+    ("promote (RedisTier.promote)", "promote", "flask_idempotency/cache/redis.py"),
     ("fingerprint", "request_fingerprint", "flask_idempotency/fingerprint.py"),
     ("capture", "capture", "flask_idempotency/responses.py"),
     ("replay build", "replay", "flask_idempotency/responses.py"),
@@ -175,7 +175,7 @@ SPY_STEPS = [
     ("view", "_view", "bench/benchapp.py"),
     ("Flask/Werkzeug request handling", "wsgi_app", "flask/app.py"),
     ("gunicorn: HTTP parsing, socket writes", "handle", "gunicorn/workers/gthread.py"),
-    ("wake-up listener thread", "_run", "flask_idempotency/listener.py"),
+    ("wake-up listener thread", "_run", "flask_idempotency/notify/listener.py"),
     ("gunicorn: poll/accept loop (main thread)", "run", "gunicorn/workers/gthread.py"),
 ]
 

@@ -256,13 +256,15 @@ def command_cpu(single_url: str, cluster_url: str, rounds: int = 2000) -> dict[s
     and through ``RedisCluster``'s routing, and the paths the extension uses (``fast``:
     pre-packed on one node; ``direct``: pre-packed on the slot owner's connection). CPU
     time, unlike the latencies above, does not depend on what else the machine runs."""
-    from flask_idempotency import redis_topology
-    from flask_idempotency.redis_tier import _client_from_url, _reader_for, direct_cluster
+    from flask_idempotency import redis_clients
+    from flask_idempotency._wire.redis import _reader_for, direct_cluster
+    from flask_idempotency.notify.cluster import shard_tags
+    from flask_idempotency.redis_clients import _client_from_url
 
     single = _client_from_url(single_url, socket_timeout=1.0, connect_timeout=1.0)
     fast = _reader_for(single)
     assert fast is not None
-    routed = redis_topology.cluster_from_url(cluster_url, socket_timeout=1.0, connect_timeout=1.0)
+    routed = redis_clients.cluster_from_url(cluster_url, socket_timeout=1.0, connect_timeout=1.0)
     direct = direct_cluster(routed)
     tag = uuid.uuid4().hex
     key = f"bench:{{{tag}}}"
@@ -270,7 +272,7 @@ def command_cpu(single_url: str, cluster_url: str, rounds: int = 2000) -> dict[s
     value = b"x" * 300
     single.set(key, value)
     routed.set(key, value)
-    tags = redis_topology.shard_tags(routed)
+    tags = shard_tags(routed)
     channel = "bench:done:{" + tags[routed.get_node_from_key(key).name] + "}"
     assert direct.set_and_wake(key, value, 60_000, waiting, "SPUBLISH", channel, "x")
 

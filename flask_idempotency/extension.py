@@ -18,9 +18,9 @@ from .cache import NoCache, ResponseCache
 from .completion.unit import guard_sessions
 from .config import ConfigVars, EffectiveOptions, Settings
 from .jobs import Once
+from .notify import WakeupHub
 from .state import AppState, describe_url, redis_target
 from .store import DurableStore
-from .wakeup import WakeupHub
 
 EXTENSION_NAME = "idempotency"
 log = logging.getLogger("flask_idempotency")
@@ -189,7 +189,7 @@ class Idempotency:
     ) -> ResponseCache:
         if self._redis is None and not settings.redis_url:
             return NoCache()
-        from .redis_tier import RedisTier, store_origin
+        from .tier import RedisTier, store_origin
 
         def origin() -> str:
             # Resolved on first use: with db= or engine= the engine may not exist yet.

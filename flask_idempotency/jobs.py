@@ -43,9 +43,9 @@ from .completion import heartbeat
 from .completion import unit as atomic
 from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, decide
 from .fingerprint import _digest, key_digest
+from .notify import wait_for_owner
 from .records import Claim, Completed, Identity, Record, StoredResponse
 from .store import StoreError
-from .wakeup import wait_for_owner
 
 if TYPE_CHECKING:
     from .state import AppState

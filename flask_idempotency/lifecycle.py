@@ -36,12 +36,12 @@ from .config import EffectiveOptions, RouteOptions
 from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, decide
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
+from .notify import wait_for_owner
 from .problems import InvalidKeyProblem, MissingKey, RequestInProgress, StoreUnavailable
 from .problems import KeyReused as KeyReusedProblem
 from .records import Claim, Completed, Identity, Record
 from .responses import replay
 from .store import StoreError, StoreMisconfigured
-from .wakeup import wait_for_owner
 
 if TYPE_CHECKING:
     from .state import AppState

@@ -20,16 +20,36 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from .listener import WakeupListener
-
 log = logging.getLogger("flask_idempotency")
 
 T = TypeVar("T")
+
+
+class Listener(Protocol):
+    """What the registry needs of a per-process listener thread (the wake-up listener of
+    :mod:`~flask_idempotency.notify.listener`): this module names no listener class, so
+    it imports nothing that imports it."""
+
+    #: Called by the thread when it ends (the registry sets it to forget the listener).
+    on_exit: Callable[[], None] | None
+
+    @property
+    def usable(self) -> bool:
+        """Still this process's listener (not stopped, not inherited over a fork)."""
+
+    def stop(self, timeout: float = ...) -> None:
+        """Stop the thread and close its connection."""
+
+    def abandon(self) -> None:
+        """Forget a listener inherited over ``fork()``: its thread does not exist here."""
+
+
+L = TypeVar("L", bound=Listener)
 
 
 class _LazyLock:
@@ -61,7 +81,7 @@ _engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 #: Redis clients shared per process by configuration (URL and timeouts).
 _shared: dict[Hashable, Any] = {}
 #: Wake-up listeners of this process, by (Redis, channel).
-_listeners: dict[Hashable, WakeupListener] = {}
+_listeners: dict[Hashable, Listener] = {}
 
 
 def lazy_lock() -> _LazyLock:
@@ -116,17 +136,19 @@ def shared(key: Hashable, build: Callable[[], T]) -> T:
 # -- listeners ------------------------------------------------------------------------------
 
 
-def listener_for(key: Hashable, create: Callable[[], WakeupListener]) -> WakeupListener:
-    """This process's listener for ``key`` (a Redis and channel), created on first need."""
+def listener_for(key: Hashable, create: Callable[[], L]) -> L:
+    """This process's listener for ``key`` (a Redis and channel), created on first need.
+
+    ``create`` must make the same kind of listener for the same ``key`` every time."""
     with _lock:
         listener = _listeners.get(key)
         if listener is None or not listener.usable:
             listener = _listeners[key] = create()
             listener.on_exit = lambda: forget_listener(key, listener)
-        return listener
+        return listener  # type: ignore[return-value]
 
 
-def forget_listener(key: Hashable, listener: WakeupListener) -> None:
+def forget_listener(key: Hashable, listener: Listener) -> None:
     """Drop ``listener`` from the registry if it is still the one for ``key`` (it exited)."""
     with _lock:
         if _listeners.get(key) is listener:
@@ -142,7 +164,7 @@ def stop_listeners(timeout: float = 5.0) -> None:
         listener.stop(timeout)
 
 
-def running_listeners() -> list[WakeupListener]:
+def running_listeners() -> list[Listener]:
     """The listeners this process has started and not stopped."""
     with _lock:
         return [listener for listener in _listeners.values() if listener.usable]

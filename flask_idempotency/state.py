@@ -25,9 +25,9 @@ from .cache import NoCache, ResponseCache
 from .config import EffectiveOptions, RouteOptions, Settings
 from .dbclock import DatabaseClock
 from .fingerprint import default_scope
+from .notify import WakeupHub
 from .records import COMPLETED, Claim, Completed, Identity, Record
 from .store import DurableStore
-from .wakeup import WakeupHub
 
 
 class Extension(Protocol):

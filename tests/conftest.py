@@ -253,7 +253,7 @@ def make_pg_app(make_app: AppFactory, pg_driver_url: URL, pg_table: str) -> Iter
 @pytest.fixture(autouse=True)
 def _no_listener_outlives_its_test() -> Iterator[None]:
     """Every test starts without wake-up listeners from earlier tests in this process."""
-    from flask_idempotency import listener
+    from flask_idempotency.notify import listener
 
     yield
     listener.stop_all()

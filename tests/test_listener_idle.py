@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 import redis
 
-from flask_idempotency import listener
-from flask_idempotency.wakeup import WakeupHub
+from flask_idempotency.notify import WakeupHub, listener
 from tests.conftest import redis_server_binary
 from tests.support.redis_server import RedisServer
 from tests.support.tcp_proxy import TcpProxy

@@ -24,7 +24,8 @@ from flask import Flask, jsonify, request
 from sqlalchemy import MetaData, Table, create_engine
 from sqlalchemy.engine import URL
 
-from flask_idempotency import Idempotency, idempotent, listener
+from flask_idempotency import Idempotency, idempotent
+from flask_idempotency.notify import listener
 from tests.support.gunicorn import GunicornServer
 from tests.support.redis_server import RedisServer
 from tests.support.waiting import wait_until

@@ -1,6 +1,6 @@
 """The cache's own ``GET`` on a plain client (issue 11): as safe as ``client.get``.
 
-A replay from Redis reads through :class:`~flask_idempotency.redis_tier._Reader`,
+A replay from Redis reads through :class:`~flask_idempotency._wire.redis._Reader`,
 which keeps pooled connections aside instead of checking them out of redis-py's
 pool on every read. Each test names the guarantee it keeps: a stale socket after
 a Redis restart is retried once and starts no outage, a timeout is an outage
@@ -21,9 +21,11 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from flask_idempotency import redis_tier
+from flask_idempotency import redis_clients
+from flask_idempotency._wire import redis as redis_wire
+from flask_idempotency.cache import codec
+from flask_idempotency.cache.redis import RedisCache
 from flask_idempotency.records import Completed, StoredResponse
-from flask_idempotency.redis_tier import RedisCache
 
 RECORD = Completed(
     "f" * 64,
@@ -33,7 +35,7 @@ RECORD = Completed(
 
 
 def fast_cache(url: str, timeout: float = 0.5) -> RedisCache:
-    client = redis_tier._client_from_url(url, socket_timeout=timeout, connect_timeout=timeout)
+    client = redis_clients._client_from_url(url, socket_timeout=timeout, connect_timeout=timeout)
     cache = RedisCache(client, prefix="reader", origin="o" * 16)
     assert cache._reader is not None, "a client from a URL reads through the fast path"
     return cache
@@ -98,8 +100,10 @@ def test_c24_a_cluster_node_reader_does_not_resend_on_a_broken_connection(redis_
     refreshes its slot map first."""
     import redis
 
-    client = redis_tier._client_from_url(redis_server.url, socket_timeout=0.5, connect_timeout=0.5)
-    reader = redis_tier._Reader(client.connection_pool, retry_broken=False)
+    client = redis_clients._client_from_url(
+        redis_server.url, socket_timeout=0.5, connect_timeout=0.5
+    )
+    reader = redis_wire._Reader(client.connection_pool, retry_broken=False)
     assert reader.get(b"absent") is None
     redis_server.restart()
     with pytest.raises(redis.ConnectionError):
@@ -125,7 +129,7 @@ def test_c24_a_silent_server_times_out_into_an_outage_and_the_socket_is_closed()
     thread.start()
     try:
         port = listener.getsockname()[1]
-        client = redis_tier._client_from_url(
+        client = redis_clients._client_from_url(
             f"redis://127.0.0.1:{port}/0", socket_timeout=0.2, connect_timeout=0.2
         )
         # Built on a client whose handshake never happens: no HELLO/CLIENT calls on connect.
@@ -180,10 +184,10 @@ def test_only_plain_clients_take_the_fast_path(redis_server):
     import fakeredis
     import redis
 
-    assert redis_tier._reader_for(fakeredis.FakeRedis()) is None
+    assert redis_wire._reader_for(fakeredis.FakeRedis()) is None
     pinned = redis.Redis.from_url(redis_server.url, single_connection_client=True)
     try:
-        assert redis_tier._reader_for(pinned) is None
+        assert redis_wire._reader_for(pinned) is None
     finally:
         pinned.close()
 
@@ -191,10 +195,10 @@ def test_only_plain_clients_take_the_fast_path(redis_server):
         def __getattr__(self, name: str) -> Any:
             raise redis.TimeoutError("never asked")
 
-    assert redis_tier._reader_for(Wrapped()) is None
+    assert redis_wire._reader_for(Wrapped()) is None
     one = redis.Redis.from_url(redis_server.url)
     try:
-        assert redis_tier._reader_for(one) is redis_tier._reader_for(
+        assert redis_wire._reader_for(one) is redis_wire._reader_for(
             redis.Redis(connection_pool=one.connection_pool)
         )
     finally:
@@ -235,7 +239,7 @@ def test_c24_connections_kept_aside_are_bounded(redis_server):
     )
 )
 def test_c9_the_cached_value_decodes_to_exactly_the_record(record):
-    assert redis_tier.decode_value(redis_tier.encode_value(record)) == record
+    assert codec.decode_value(codec.encode_value(record)) == record
 
 
 @given(st.binary(max_size=300).map(lambda tail: b"2\n" + tail))
@@ -243,7 +247,7 @@ def test_c9_the_cached_value_decodes_to_exactly_the_record(record):
 @example(b"2\nf\n1\n201\n0\n[[1]]\n")
 @example(b"2\nf\n1\n201\n2\n[]\n")
 def test_c24_garbage_in_the_new_form_is_a_miss_never_an_error(raw):
-    decoded = redis_tier.decode_value(raw)
+    decoded = codec.decode_value(raw)
     assert decoded is None or isinstance(decoded, Completed)
 
 

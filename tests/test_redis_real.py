@@ -23,9 +23,10 @@ import requests
 from flask import Flask, jsonify, request
 from sqlalchemy.engine import URL
 
-from flask_idempotency import idempotent, listener, signals, wakeup
+from flask_idempotency import idempotent, signals
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
-from flask_idempotency.wakeup import PollSchedule
+from flask_idempotency.notify import PollSchedule, listener
+from flask_idempotency.notify import hub as wakeup
 from tests.support.gunicorn import GunicornServer
 from tests.support.redis_server import RedisServer
 from tests.support.tcp_proxy import TcpProxy

@@ -23,11 +23,14 @@ import pytest
 import redis
 from flask import jsonify, request
 
-from flask_idempotency import idempotent, listener, signals, wakeup
+from flask_idempotency import idempotent, signals
+from flask_idempotency.cache.codec import decode_value
+from flask_idempotency.cache.outage import Outage
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
+from flask_idempotency.notify import PollSchedule, WakeupHub, listener
+from flask_idempotency.notify import hub as wakeup
 from flask_idempotency.records import Completed
-from flask_idempotency.redis_tier import Outage, RedisTier, decode_value
-from flask_idempotency.wakeup import PollSchedule, WakeupHub
+from flask_idempotency.tier import RedisTier
 from tests.support.waiting import wait_until as _wait_until
 
 RAW_KEY = "raw-key-7Qx!secret"

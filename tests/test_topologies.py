@@ -20,9 +20,10 @@ import pytest
 from flask import Flask, jsonify, request
 from sqlalchemy.engine import URL
 
-from flask_idempotency import Idempotency, idempotent, signals, wakeup
+from flask_idempotency import Idempotency, idempotent, signals
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
-from flask_idempotency.wakeup import PollSchedule
+from flask_idempotency.notify import PollSchedule
+from flask_idempotency.notify import hub as wakeup
 from tests.conftest import redis6_server_binary, redis_server_binary
 from tests.support.redis_cluster import RedisCluster3, SentinelGroup, redis_cli
 from tests.support.redis_server import RedisServer
@@ -257,17 +258,18 @@ def test_i15_cluster_wakeups_do_not_rescan_the_slot_map_while_it_holds(
     """Checking that the shard channels still match the slot map is a few look-ups
     (``tags_still_valid``); the 16384-slot scan (~1.4 ms of CPU) runs only when it fails,
     not every topology-check interval on a request thread."""
-    from flask_idempotency import redis_topology
+    from flask_idempotency import redis_clients
+    from flask_idempotency.notify import cluster as cluster_notify
 
     scans = collections.Counter[str]()
-    real = redis_topology.shard_tags
+    real = cluster_notify.shard_tags
 
     def counted(client: Any) -> dict[str, str]:
         scans["scan"] += 1
         return real(client)
 
-    monkeypatch.setattr(redis_topology, "shard_tags", counted)
-    monkeypatch.setattr(redis_topology, "TOPOLOGY_CHECK_INTERVAL", 0.0)  # check every time
+    monkeypatch.setattr(cluster_notify, "shard_tags", counted)
+    monkeypatch.setattr(redis_clients, "TOPOLOGY_CHECK_INTERVAL", 0.0)  # check every time
     svc = make_svc(cluster.url)
     for n in range(20):
         assert svc.post(f"scan-{n}-{uuid.uuid4().hex[:6]}").status_code == 201
@@ -282,8 +284,8 @@ def test_i15_cluster_cache_commands_go_straight_to_the_slot_owner_and_follow_mov
     ``GET`` pre-packed on that node's kept connection as on one node; with a stale slot
     map the ``MOVED`` answer is retried through the cluster client (right answer, map
     refreshed)."""
-    from flask_idempotency.redis_tier import cluster_node_reader, direct_cluster
-    from flask_idempotency.redis_topology import cluster_from_url
+    from flask_idempotency._wire.redis import cluster_node_reader, direct_cluster
+    from flask_idempotency.redis_clients import cluster_from_url
 
     inner = cluster_from_url(cluster.url, socket_timeout=1.0, connect_timeout=1.0)
     direct = direct_cluster(inner)
@@ -318,10 +320,10 @@ class _Trace:
     commands routed through ``RedisCluster``, and the direct ``SET``/``SPUBLISH`` calls."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, svc: Svc) -> None:
-        from flask_idempotency import redis_tier, redis_topology
+        from flask_idempotency._wire import redis as redis_wire
 
         self.events: list[tuple[str, ...]] = []
-        real_together = redis_tier._Reader.run_together
+        real_together = redis_wire._Reader.run_together
 
         def together(reader: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
             replies = real_together(reader, commands)
@@ -333,9 +335,9 @@ class _Trace:
             )
             return replies
 
-        monkeypatch.setattr(redis_tier._Reader, "run_together", together)
+        monkeypatch.setattr(redis_wire._Reader, "run_together", together)
         for command in ("set", "exists", "spublish"):
-            real_direct = getattr(redis_topology.DirectCluster, command)
+            real_direct = getattr(redis_wire.DirectCluster, command)
 
             def direct(
                 self_: Any, *args: Any, _c: str = command, _r: Any = real_direct, **kw: Any
@@ -343,7 +345,7 @@ class _Trace:
                 self.events.append(("direct", _c.upper()))
                 return _r(self_, *args, **kw)
 
-            monkeypatch.setattr(redis_topology.DirectCluster, command, direct)
+            monkeypatch.setattr(redis_wire.DirectCluster, command, direct)
         self.inner = svc.state.cache._client._cluster  # the RedisCluster behind DirectCluster
         real_execute = self.inner.execute_command
 
@@ -505,8 +507,9 @@ def test_i15_c10_a_sharded_subscriber_reads_only_shards_with_data_and_every_buff
     have data, not every shard on every message (a redis-py read costs ~7 us of CPU even
     when nothing is there); two messages that arrive in one read are both delivered,
     though the second is already in the client's buffer where no poll sees it."""
-    from flask_idempotency.listener import wait_readable
-    from flask_idempotency.redis_topology import ShardedSubscriber, cluster_from_url
+    from flask_idempotency.notify.cluster import ShardedSubscriber
+    from flask_idempotency.notify.listener import wait_readable
+    from flask_idempotency.redis_clients import cluster_from_url
 
     subscriber = cluster_from_url(cluster.url, socket_timeout=10.0, connect_timeout=1.0)
     publisher = cluster_from_url(cluster.url, socket_timeout=1.0, connect_timeout=1.0)

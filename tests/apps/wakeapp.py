@@ -14,8 +14,9 @@ from typing import Any
 
 from flask import Flask, Response, g
 
-from flask_idempotency import signals, wakeup
-from flask_idempotency.wakeup import PollSchedule
+from flask_idempotency import signals
+from flask_idempotency.notify import PollSchedule
+from flask_idempotency.notify import hub as wakeup
 from tests.apps.procapp import create_app as create_procapp
 
 NO_POLLING = 3600.0

@@ -23,7 +23,7 @@ import pytest
 
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.records import COMPLETED
-from flask_idempotency.redis_tier import RedisTier, store_origin
+from flask_idempotency.tier import RedisTier, store_origin
 from tests.support.gunicorn import GunicornServer
 
 from .conftest import EVENTUALLY, Answer, AnswerLog, ChaosRig, send, wait_until

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .records import Completed
+from ..records import Completed
 
 
 class ResponseCache(Protocol):

@@ -4,7 +4,7 @@ Every process keeps a single subscriber connection and a single daemon thread pe
 (Redis, channel), shared by every app that uses them, started on the first parked
 request, never at import or in ``init_app``. Only that thread touches the redis-py
 ``PubSub`` object, which is not safe to share between threads. Request threads
-only register their app's :class:`~flask_idempotency.wakeup.WakeupHub` here.
+only register their app's :class:`~flask_idempotency.notify.hub.WakeupHub` here.
 
 Pub/sub is at-most-once: anything published while we are disconnected is lost.
 So the listener counts as live only after the server's subscribe acknowledgement
@@ -28,12 +28,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from . import process
+from .. import process
 
 if TYPE_CHECKING:
-    from .wakeup import WakeupHub
+    from .hub import WakeupHub
 
 log = logging.getLogger("flask_idempotency")
 
@@ -55,6 +55,10 @@ _HEARTBEAT = "flask-idempotency-heartbeat"
 
 class ListenerLost(Exception):
     """The subscription stopped answering; the listener reconnects."""
+
+
+class TopologyChanged(Exception):
+    """The subscriber's view of the masters is out of date: subscribe again."""
 
 
 class _Idle(Exception):
@@ -306,7 +310,7 @@ def stop_all(timeout: float = 5.0) -> None:
 
 def running_listeners() -> list[WakeupListener]:
     """The listeners this process has started and not stopped."""
-    return process.running_listeners()
+    return cast("list[WakeupListener]", process.running_listeners())  # the only kind there is
 
 
 def sockets_of(pubsub: Any) -> list[socket.socket] | None:

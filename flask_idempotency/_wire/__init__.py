@@ -1,0 +1,1 @@
+"""Hand-written protocol code, one module per library (each names the private APIs it touches)."""

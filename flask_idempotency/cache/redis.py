@@ -1,0 +1,229 @@
+"""The cache of completed records on Redis (single node, Sentinel, Cluster): C22–C24.
+
+Redis is never the source of truth (C22). It holds only completed records, under
+``{prefix}:{origin}:{<digest>}`` (:mod:`.codec`); each cached value also names its
+origin and is checked on read. A copy expires after the time the durable record has
+left by the *database's* clock (``PX``, C42): neither the app host's clock nor
+Redis's has to agree with it. Absence and in-progress state are never cached: a miss
+always falls through to the durable store. Completion promotes the record and, in
+the same round trip, asks whether a waiter wants its wake-up (:mod:`..notify`).
+
+Losing Redis changes latency, not outcomes (C24): every call goes through the
+tier's breaker (:mod:`.outage`), and no method raises. A plain single-node client
+reads through the pre-packed fast path of :mod:`flask_idempotency._wire.redis`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from .._wire.redis import _reader_for
+from ..notify.cluster import ClusterNotifier
+from ..notify.redis import RedisNotifier
+from ..records import Completed
+from .cluster import promote_and_publish_on_shard
+from .codec import Origin, decode_value, encode_value, names_prefix
+from .outage import Outage, ShardOutages, report_failure, report_success
+
+log = logging.getLogger("flask_idempotency")
+
+
+class RedisCache:
+    """:class:`~flask_idempotency.cache.ResponseCache` on Redis (single node, Sentinel, Cluster).
+
+    Only single-key commands, each on a hash-tagged key: the same code runs on a
+    cluster, where a record's key lives in its digest's slot.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = "idem",
+        origin: str | Callable[[], str] = "",
+        outage: Outage | None = None,
+        shards: ShardOutages | None = None,
+    ) -> None:
+        self._client = client
+        self.prefix = prefix
+        self._origin = Origin(origin)
+        self.outage = outage or Outage()
+        self._shards = shards
+        self._foreign_logged = False
+        self._reader = _reader_for(client)
+        #: The part of every record name before its digest, and the origin as bytes,
+        #: made once the origin is known (every read used to format them again).
+        self._name_head: str | None = None
+        self._origin_bytes: bytes | None = None
+
+    def outage_for(self, key_digest: str | None) -> Outage:
+        """The back-off that guards this record's node: on a cluster, one per master, so a
+        lost shard does not switch the cache off for the others."""
+        if self._shards is None or key_digest is None:
+            return self.outage
+        return self._shards.for_digest(key_digest, self.outage)
+
+    @property
+    def origin(self) -> str:
+        return self._origin.get()
+
+    def record_name(self, key_digest: str) -> str:
+        """The Redis key of a completed record: the digest only, in a hash tag (R70)."""
+        head = self._name_head
+        if head is None:
+            head = self._name_head = f"{names_prefix(self.prefix, self.origin)}:{{"
+        return head + key_digest + "}"
+
+    def _encode(self, record: Completed) -> bytes:
+        return self.origin.encode("ascii") + b"\n" + encode_value(record)
+
+    def _decode(self, raw: bytes | str, key_digest: str) -> Completed | None:
+        if isinstance(raw, str):
+            raw = raw.encode("utf-8")
+        origin, sep, body = raw.partition(b"\n")
+        if not sep:
+            return None  # an older format, or not ours: a miss
+        ours = self._origin_bytes
+        if ours is None:
+            ours = self._origin_bytes = self.origin.encode("ascii")
+        if origin != ours:
+            if not self._foreign_logged:
+                self._foreign_logged = True
+                log.warning(
+                    "idempotency: a cached record under %s was written by another store"
+                    " (origin %s, not %s); ignored. Do two services share one Redis prefix?",
+                    key_digest[:16],
+                    origin[:16].decode("ascii", "replace"),
+                    self.origin,
+                )
+            return None
+        return decode_value(body)
+
+    def _read(self, key_digest: str) -> Any:
+        # Not a bound method chosen once and kept: that would make the cache a reference
+        # cycle, freed only by the garbage collector, sockets and all (C47).
+        if self._reader is not None:
+            return self._reader.get(self.record_name(key_digest).encode("utf-8"))
+        return self._client.get(self.record_name(key_digest))
+
+    def get(self, key_digest: str) -> Completed | None:
+        outage = self.outage_for(key_digest)
+        if not outage.allows():
+            return None
+        try:
+            raw = self._read(key_digest)
+        except Exception as exc:
+            self._failed(exc, "get", key_digest)
+            return None
+        report_success(outage)
+        if raw is None:
+            return None
+        try:
+            record = self._decode(raw, key_digest)
+        except Exception:
+            record = None
+        if record is None:
+            # Not ours or corrupt: ignore it; the durable read that follows overwrites it.
+            log.debug("idempotency: ignored an unreadable cached record %s", key_digest[:16])
+        return record
+
+    def probe(self, key_digest: str) -> Completed | None:
+        """One read that ignores the back-off: the database is down, and a cached record
+        could still answer a replay (15.6). Never raises; does not start an outage."""
+        try:
+            raw = self._read(key_digest)
+        except Exception:
+            return None
+        self._succeeded(key_digest)
+        try:
+            return None if raw is None else self._decode(raw, key_digest)
+        except Exception:
+            return None
+
+    def promote(self, key_digest: str, record: Completed, ttl_ms: int) -> None:
+        if ttl_ms <= 0 or not self.outage_for(key_digest).allows():
+            return
+        try:
+            self._client.set(self.record_name(key_digest), self._encode(record), px=ttl_ms)
+        except Exception as exc:
+            self._failed(exc, "promote", key_digest)
+            return
+        self._succeeded(key_digest)
+
+    def promote_and_publish(
+        self, key_digest: str, record: Completed, ttl_ms: int, notifier: Any, event: str
+    ) -> bool:
+        """Promote and ask for waiters in one round trip (C23), then publish the wake-up if
+        one waits, when ``notifier`` publishes on this cache's Redis; ``False``, having
+        done nothing, otherwise.
+
+        On a cluster both go to the master that owns the record's slot, whose shard
+        channel the wake-up uses (:func:`.cluster.promote_and_publish_on_shard`)."""
+        if (
+            type(notifier) is ClusterNotifier
+            and self._shards is not None
+            and notifier._client is self._client
+            and notifier._shards is self._shards
+        ):
+            return promote_and_publish_on_shard(self, key_digest, record, ttl_ms, notifier, event)
+        if not (
+            type(notifier) is RedisNotifier
+            and self._shards is None
+            and notifier._client is self._client
+            and notifier.outage is self.outage
+        ):
+            return False
+        if not self.outage.allows():
+            return True  # skipped, as the two calls would have been
+        waiting = notifier.waiting_name(key_digest)
+        try:
+            if self._reader is not None:
+                self._reader.set_and_wake(
+                    self.record_name(key_digest),
+                    self._encode(record),
+                    ttl_ms,
+                    waiting,
+                    ("PUBLISH", notifier.channel, notifier.wakeup_payload(key_digest, event)),
+                )
+            else:
+                pipe = self._client.pipeline(transaction=False)
+                if ttl_ms > 0:
+                    pipe.set(self.record_name(key_digest), self._encode(record), px=ttl_ms)
+                pipe.exists(waiting)
+                if pipe.execute()[-1]:
+                    notifier._publish_now(key_digest, event)
+        except Exception as exc:
+            self._failed(exc, "promote", key_digest)
+            return True
+        self._succeeded()
+        return True
+
+    def discard(self, key_digest: str) -> None:
+        if not self.outage_for(key_digest).allows():
+            return
+        try:
+            self._client.delete(self.record_name(key_digest))
+        except Exception as exc:
+            self._failed(exc, "discard", key_digest)
+            return
+        self._succeeded(key_digest)
+
+    def ping(self) -> bool:
+        """Whether Redis answers now (respects the outage back-off); for health checks."""
+        if not self.outage.allows():
+            return False
+        try:
+            self._client.ping()
+        except Exception as exc:
+            self._failed(exc, "ping", None)
+            return False
+        self._succeeded()
+        return True
+
+    def _failed(self, exc: BaseException, action: str, key_digest: str | None) -> None:
+        report_failure(self.outage_for(key_digest), exc, action, key_digest)
+
+    def _succeeded(self, key_digest: str | None = None) -> None:
+        report_success(self.outage_for(key_digest))
