@@ -25,7 +25,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from .fingerprint import ANONYMOUS_SCOPE, key_digest
 from .keys import InvalidKey, parse_key
-from .maintenance import Maintenance, MaintenanceError, RecordView, TableMissing
+from .store.maintenance import Maintenance, MaintenanceError, RecordView, TableMissing
 
 F = TypeVar("F", bound=Callable[..., Any])
 

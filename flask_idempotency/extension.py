@@ -18,11 +18,11 @@ from sqlalchemy.pool import StaticPool
 from . import atomic, forms, lifecycle, process
 from .cache import NoCache, ResponseCache
 from .config import ConfigVars, EffectiveOptions, RouteOptions, Settings
-from .dbclock import DatabaseClock
 from .fingerprint import default_scope
 from .jobs import Once
 from .records import COMPLETED, Claim, Completed, Identity, Record
 from .store import DurableStore
+from .store.clock import DatabaseClock
 from .wakeup import WakeupHub
 
 EXTENSION_NAME = "idempotency"

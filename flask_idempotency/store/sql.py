@@ -46,9 +46,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from . import process
-from . import store_dialects as dialects
-from .records import (
+from .. import process
+from ..records import (
     COMPLETED,
     IN_PROGRESS,
     RECORD_COLUMNS,
@@ -58,7 +57,17 @@ from .records import (
     StoredResponse,
     record_from_values,
 )
-from .store_direct import DirectSQL, DirectStatements
+from .._wire.psycopg2 import DirectSQL, DirectStatements
+from .dialects import (
+    insert_or_nothing,
+    insert_unless_present,
+    is_lock_unavailable,
+    is_retryable,
+    lock_wait_bounded,
+    mysql_errno,
+    returns_from_update,
+    sqlstate,
+)
 from .table import db_now_ms, idempotency_table
 
 log = logging.getLogger("flask_idempotency")
@@ -412,7 +421,7 @@ class DurableStore:
         """
         stmt = self._at_once_stmt
         if stmt is None:
-            ins = dialects.insert_unless_present(self.table, self._claim_values()).cte("ins")
+            ins = insert_unless_present(self.table, self._claim_values()).cte("ins")
             r = self.table.alias("r")
             one = select(literal(1).label("one")).subquery("one")
             stmt = self._at_once_stmt = select(
@@ -442,7 +451,7 @@ class DurableStore:
         stmt = self._claim_stmt
         if stmt is None:
             try:
-                stmt = dialects.insert_or_nothing(self.dialect, self.table, self._claim_values())
+                stmt = insert_or_nothing(self.dialect, self.table, self._claim_values())
             except ValueError as exc:
                 raise StoreError(str(exc)) from None
             self._claim_stmt = stmt
@@ -523,7 +532,7 @@ class DurableStore:
         Where ``UPDATE … RETURNING`` is missing (MySQL, MariaDB) the matched-row count
         decides, and the row, now locked by this transaction, is read back.
         """
-        if dialects.returns_from_update(conn.dialect.name):
+        if returns_from_update(conn.dialect.name):
             row = conn.execute(stmt.returning(self.table.c.expires_at_ms)).first()
             return None if row is None else int(row.expires_at_ms)
         if conn.execute(stmt).rowcount != 1:
@@ -542,13 +551,13 @@ class DurableStore:
         """
 
         def attempt(conn: Connection) -> T:
-            with dialects.lock_wait_bounded(conn):
+            with lock_wait_bounded(conn):
                 return work(conn)
 
         try:
             return self._run(attempt, lock_wait_is_final=True)
         except StoreError as exc:
-            if dialects.is_lock_unavailable(exc.__cause__):
+            if is_lock_unavailable(exc.__cause__):
                 return None
             raise
 
@@ -658,7 +667,7 @@ class DurableStore:
                 bindparam("p_body", type_=t.c.response_body.type),
                 bindparam("p_body_omitted", type_=t.c.body_omitted.type),
             )
-            if dialects.returns_from_update(self.dialect):
+            if returns_from_update(self.dialect):
                 stmt = self._complete_stmt = stmt.returning(t.c.expires_at_ms)
         return stmt
 
@@ -678,7 +687,7 @@ class DurableStore:
             response.body_omitted,
         )
         t = self.table
-        if dialects.returns_from_update(self.dialect):
+        if returns_from_update(self.dialect):
             row = executor.execute(stmt.returning(t.c.expires_at_ms)).first()
             return None if row is None else int(row.expires_at_ms)
         if executor.execute(stmt).rowcount != 1:
@@ -808,7 +817,7 @@ class DurableStore:
             return renewed
 
         try:
-            with (engine or self.engine).begin() as conn, dialects.lock_wait_bounded(conn):
+            with (engine or self.engine).begin() as conn, lock_wait_bounded(conn):
                 return renew_all(conn)
         except SQLAlchemyError as exc:
             raise StoreError(_describe(exc)) from exc
@@ -854,9 +863,9 @@ class DurableStore:
             except DBAPIError as exc:
                 if _is_schema_error(exc):
                     raise StoreMisconfigured(self._schema_help(exc)) from exc
-                if lock_wait_is_final and dialects.is_lock_unavailable(exc):
+                if lock_wait_is_final and is_lock_unavailable(exc):
                     raise StoreError(_describe(exc)) from exc
-                retryable = dialects.is_retryable(exc) or (
+                retryable = is_retryable(exc) or (
                     exc.connection_invalidated and attempt == 0
                 )
                 if not retryable or attempt == _ATTEMPTS - 1:
@@ -926,16 +935,16 @@ _SCHEMA_MESSAGES = ("no such table", "no such column", "has no column named")
 
 
 def _is_schema_error(exc: DBAPIError) -> bool:
-    if dialects.sqlstate(exc) in _SCHEMA_SQLSTATES:
+    if sqlstate(exc) in _SCHEMA_SQLSTATES:
         return True
-    if dialects.mysql_errno(exc) in _SCHEMA_MYSQL_ERRNOS:
+    if mysql_errno(exc) in _SCHEMA_MYSQL_ERRNOS:
         return True
     message = str(exc.orig).lower()
     return any(m in message for m in _SCHEMA_MESSAGES)
 
 
 #: The SQLSTATE of a driver error (``atomic`` reads it too).
-_sqlstate = dialects.sqlstate
+_sqlstate = sqlstate
 
 
 def _describe(exc: BaseException) -> str:

@@ -29,9 +29,9 @@ from sqlalchemy import (
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.schema import CreateIndex, CreateTable
 
-from .records import COMPLETED, IN_PROGRESS
-from .store import DurableStore, _describe, _optional_int
-from .store_dialects import MYSQL_FAMILY
+from ..records import COMPLETED, IN_PROGRESS
+from .dialects import MYSQL_FAMILY
+from .sql import DurableStore, _describe, _optional_int
 from .table import db_now_ms
 
 T = TypeVar("T")

@@ -1,0 +1,1 @@
+"""Hand-written protocol code, one module per library."""
