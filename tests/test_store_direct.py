@@ -21,7 +21,7 @@ from sqlalchemy.engine import URL
 from flask_idempotency import idempotent
 from flask_idempotency.records import Claim, Identity, Record, StoredResponse
 from flask_idempotency.store import DurableStore, StoreError, StoreMisconfigured
-from flask_idempotency._wire.psycopg2 import DirectStatements
+from flask_idempotency.store.direct import DirectStatements
 
 from .conftest import driver_url
 from .test_lifecycle import KEY, REPLAYED

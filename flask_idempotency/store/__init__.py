@@ -1,6 +1,16 @@
-"""The durable store: the source of truth for claims, leases and results (CONTRACT C8, C13–C14,
-C20–C21, C26, C45)."""
+"""The durable store: the source of truth for claims, leases and results.
 
-from .sql import DurableStore, StoreError, StoreMisconfigured, _describe, _sqlstate
+CONTRACT C8, C13–C14, C20–C21, C25–C26, C45.
+
+One SQL implementation (:mod:`.sql`) with a small part per database
+(:mod:`.dialects`), the table (:mod:`.table`), the database clock (:mod:`.clock`),
+the fast path on psycopg2 (:mod:`.direct`) and the operator's statements
+(:mod:`.maintenance`). The names below are what the rest of the package uses.
+"""
+
+from .errors import StoreError, StoreMisconfigured
+from .errors import describe as _describe
+from .errors import sqlstate as _sqlstate
+from .sql import DurableStore
 
 __all__ = ["DurableStore", "StoreError", "StoreMisconfigured", "_describe", "_sqlstate"]

@@ -1,4 +1,4 @@
-"""The ``idempotency_keys`` table and the database clock.
+"""The ``idempotency_keys`` table.
 
 Times are epoch milliseconds in BIGINT columns, read from the database's own
 clock (R77, C42): every process compares leases and expiry against one clock, the
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -32,8 +31,6 @@ from sqlalchemy import (
     false,
 )
 from sqlalchemy.dialects.mysql import LONGBLOB
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.functions import FunctionElement
 
 _tables: weakref.WeakKeyDictionary[MetaData, dict[str, Table]] = weakref.WeakKeyDictionary()
 _tables_lock = threading.Lock()
@@ -83,39 +80,4 @@ def _define(metadata: MetaData, name: str) -> Table:
         comment="Flask-Idempotency records: one row per (scope, Idempotency-Key).",
         mysql_engine="InnoDB",
         mysql_charset="utf8mb4",
-    )
-
-
-class db_now_ms(FunctionElement[int]):
-    """The database's current time in epoch milliseconds."""
-
-    type = BigInteger()
-    inherit_cache = True
-    name = "db_now_ms"
-
-
-@compiles(db_now_ms)
-def _now_ms_default(element: Any, compiler: Any, **kw: Any) -> str:
-    return "CAST(EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000 AS BIGINT)"
-
-
-@compiles(db_now_ms, "postgresql")
-def _now_ms_postgresql(element: Any, compiler: Any, **kw: Any) -> str:
-    return "CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)"
-
-
-@compiles(db_now_ms, "mysql")
-@compiles(db_now_ms, "mariadb")
-def _now_ms_mysql(element: Any, compiler: Any, **kw: Any) -> str:
-    # NOW(3) is the statement's start, to the millisecond; UNIX_TIMESTAMP turns it
-    # back into epoch time through the session's own time zone.
-    return "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)"
-
-
-@compiles(db_now_ms, "sqlite")
-def _now_ms_sqlite(element: Any, compiler: Any, **kw: Any) -> str:
-    # strftime('%s') is whole seconds; '%f' is SS.SSS, whose last three digits are ms.
-    return (
-        "(CAST(strftime('%s', 'now') AS INTEGER) * 1000"
-        " + CAST(substr(strftime('%f', 'now'), 4) AS INTEGER))"
     )
