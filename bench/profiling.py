@@ -82,13 +82,13 @@ STEPS = [
     ("· key digest", "flask_idempotency.lifecycle", None, "key_digest"),
     ("· fingerprint", "flask_idempotency.lifecycle", None, "request_fingerprint"),
     ("· cache read (Redis GET)", "flask_idempotency.cache.redis", "RedisCache", "get"),
-    ("· claim or read (PostgreSQL)", "flask_idempotency.store", "DurableStore", "acquire"),
+    ("· claim or read (PostgreSQL)", "flask_idempotency.store.sql", "DurableStore", "acquire"),
     ("· own the claim", "flask_idempotency.lifecycle", None, "_own"),
     ("· build the replay", "flask_idempotency.lifecycle", None, "replay"),
     ("view", "bench.benchapp", None, "_view"),
     ("settle (after the view)", "flask_idempotency.completion.settle", None, "settle"),
     ("· capture the response", "flask_idempotency.completion.plain", None, "capture"),
-    ("· complete (PostgreSQL)", "flask_idempotency.store", "DurableStore", "complete"),
+    ("· complete (PostgreSQL)", "flask_idempotency.store.sql", "DurableStore", "complete"),
     (
         "· promote + publish (Redis)",
         "flask_idempotency.cache.redis",
@@ -161,9 +161,9 @@ def top_functions(sample: Any, requests: int, limit: int = 14) -> list[tuple[str
 
 #: Stack classification: the innermost frame matching (function, file) names the step.
 SPY_STEPS = [
-    ("claim or read (store.acquire)", "acquire", "flask_idempotency/store.py"),
-    ("complete (store.complete)", "complete", "flask_idempotency/store.py"),
-    ("release (store.release)", "release", "flask_idempotency/store.py"),
+    ("claim or read (store.acquire)", "acquire", "flask_idempotency/store/sql.py"),
+    ("complete (store.complete)", "complete", "flask_idempotency/store/sql.py"),
+    ("release (store.release)", "release", "flask_idempotency/store/sql.py"),
     ("cache read (RedisTier.get)", "get", "flask_idempotency/cache/redis.py"),
     ("promote (RedisTier.promote)", "promote", "flask_idempotency/cache/redis.py"),
     ("fingerprint", "request_fingerprint", "flask_idempotency/fingerprint.py"),
@@ -282,8 +282,8 @@ def statement_costs(
 
     from bench.benchapp import create_app
     from bench.harness import dsn
-    from flask_idempotency import store as store_module
     from flask_idempotency.records import Identity
+    from flask_idempotency.store.statements import claim_params
 
     app = create_app("ours", database_url=db_url, table="idem_stmt")
     WsgiCaller(app, "/pay")("statement-replay")  # one completed record; the statement compiled
@@ -298,7 +298,7 @@ def statement_costs(
     ident = Identity(
         scope=scope, key_digest=digest, fingerprint=fingerprint, method=method, path=path
     )
-    params = store_module._claim_params(ident, "0" * 32, 86_400_000, 60_000)
+    params = claim_params(ident, "0" * 32, 86_400_000, 60_000)
     cur.execute(claim.prepare)
     cur.execute(f"PREPARE profile_pk (text) AS SELECT * FROM {table} WHERE key_digest = $1")
 

@@ -38,9 +38,9 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, make_url
 
 from flask_idempotency.extension import create_store_engine
-from flask_idempotency.maintenance import Maintenance
 from flask_idempotency.records import Identity
 from flask_idempotency.store import DurableStore
+from flask_idempotency.store.maintenance import Maintenance
 
 TABLE = "idempotency_bench"
 TARGET_ROWS_PER_SECOND = 50_000

@@ -25,7 +25,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from .fingerprint import ANONYMOUS_SCOPE, key_digest
 from .keys import InvalidKey, parse_key
-from .maintenance import Maintenance, MaintenanceError, RecordView, TableMissing
+from .store.maintenance import Maintenance, MaintenanceError, RecordView, TableMissing
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -431,7 +431,7 @@ def check_command() -> None:
         raise click.ClickException(
             f"the table {report.table!r} does not match what Flask-Idempotency expects"
             f" ({len(report.errors)} problem{'s' if len(report.errors) != 1 else ''} above)."
-            " Migrate it to the definition in flask_idempotency/table.py."
+            " Migrate it to the definition in flask_idempotency/store/table.py."
         )
     click.echo(f"OK: the table {report.table!r} matches what Flask-Idempotency expects.")
     _check_redis_tier()

@@ -23,11 +23,11 @@ from sqlalchemy.engine import make_url
 
 from .cache import NoCache, ResponseCache
 from .config import EffectiveOptions, RouteOptions, Settings
-from .dbclock import DatabaseClock
 from .fingerprint import default_scope
 from .notify import WakeupHub
 from .records import COMPLETED, Claim, Completed, Identity, Record
 from .store import DurableStore
+from .store.clock import DatabaseClock
 
 
 class Extension(Protocol):

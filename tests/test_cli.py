@@ -23,8 +23,8 @@ from sqlalchemy import func, insert, select, text
 
 from flask_idempotency import Idempotency, idempotent
 from flask_idempotency.fingerprint import key_digest
-from flask_idempotency.maintenance import Maintenance
-from flask_idempotency.table import db_now_ms
+from flask_idempotency.store.clock import db_now_ms
+from flask_idempotency.store.maintenance import Maintenance
 
 from .support.gunicorn import free_port
 

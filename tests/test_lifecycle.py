@@ -34,7 +34,7 @@ from werkzeug.exceptions import HTTPException
 from flask_idempotency import Idempotency, idempotent, release_claim, signals
 from flask_idempotency.fingerprint import key_digest, request_fingerprint
 from flask_idempotency.records import Claim, Identity
-from flask_idempotency.table import db_now_ms
+from flask_idempotency.store.clock import db_now_ms
 from tests.support.waiting import wait_until as _wait_until
 
 KEY = {"Idempotency-Key": "key-1"}

@@ -28,7 +28,7 @@ from flask_idempotency.extension import create_store_engine
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.records import Claim, Identity, Record, StoredResponse
 from flask_idempotency.store import DurableStore
-from flask_idempotency.table import db_now_ms
+from flask_idempotency.store.clock import db_now_ms
 
 from .test_lifecycle import KEY, REPLAYED
 

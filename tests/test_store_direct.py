@@ -21,7 +21,7 @@ from sqlalchemy.engine import URL
 from flask_idempotency import idempotent
 from flask_idempotency.records import Claim, Identity, Record, StoredResponse
 from flask_idempotency.store import DurableStore, StoreError, StoreMisconfigured
-from flask_idempotency.store_direct import DirectStatements
+from flask_idempotency.store.direct import DirectStatements
 
 from .conftest import driver_url
 from .test_lifecycle import KEY, REPLAYED
@@ -290,7 +290,7 @@ AWKWARD_TEXT = ["", "plain", "o'brien", "back\\slash", "%(p_scope)s", "100%", "Ã
 def test_i11_literals_are_written_exactly_as_psycopg2_writes_them(store) -> None:
     """The direct path writes its parameters into the statement itself: byte for byte
     what psycopg2's own quoting writes, for every kind of value the store sends."""
-    from flask_idempotency.store_direct import _literal
+    from flask_idempotency._wire.psycopg2 import _literal
 
     values: list[Any] = [*AWKWARD_TEXT, 0, 7, 2**62, -3, True, False, None]
     values += [b"", b"\x00\xff'\\", memoryview(b"ab"), 1.5]
@@ -404,7 +404,7 @@ def test_i11_a_sqlalchemy_without_the_pool_entry_api_takes_the_ordinary_checkout
 ) -> None:
     """The lean checkout calls private pool methods; on a SQLAlchemy where they are not
     what it expects (checked once, at import), every statement takes ``pool.connect()``."""
-    from flask_idempotency import store_direct
+    from flask_idempotency._wire import psycopg2 as store_direct
 
     pool = store._single()
     assert pool is not None
@@ -501,7 +501,7 @@ def test_i11_c14_c20_release_runs_on_the_direct_path_fenced_by_the_token(store, 
 def test_i11_a_kept_cursor_never_keeps_a_large_stored_body_alive(store, runs) -> None:
     """Each pooled connection keeps one cursor for its next statement, and a cursor holds
     its last result: a replay of a large body lets that cursor go with it."""
-    from flask_idempotency.store_direct import _CURSOR, _KEPT_RESULT_BYTES
+    from flask_idempotency._wire.psycopg2 import _CURSOR, _KEPT_RESULT_BYTES
 
     pool = store._single()
     assert pool is not None

@@ -25,7 +25,7 @@ from sqlalchemy.engine import URL
 
 from flask_idempotency import idempotent, signals
 from flask_idempotency.records import COMPLETED, IN_PROGRESS, Claim, Record
-from flask_idempotency.table import db_now_ms
+from flask_idempotency.store.clock import db_now_ms
 from tests.support.tcp_proxy import TcpProxy
 
 from .conftest import driver_url

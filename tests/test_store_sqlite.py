@@ -24,7 +24,7 @@ from flask_idempotency.records import (
     StoredResponse,
 )
 from flask_idempotency.store import DurableStore, StoreError
-from flask_idempotency.table import db_now_ms
+from flask_idempotency.store.clock import db_now_ms
 
 from .conftest import service_missing
 

@@ -40,7 +40,9 @@ from sqlalchemy import event, select, text
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
 from ..records import Claim, StoredResponse
-from ..store import DurableStore, StoreError, _describe, _sqlstate
+from ..store import DurableStore, StoreError
+from ..store.errors import describe as _describe
+from ..store.errors import sqlstate as _sqlstate
 
 log = logging.getLogger("flask_idempotency")
 

@@ -2,7 +2,7 @@
 
 Additive, and a no-op on PostgreSQL and SQLite. On MySQL and MariaDB the first
 revision's ``LargeBinary`` became ``BLOB``, which stops at 64 KiB: the stored
-response body becomes ``LONGBLOB`` (what ``flask_idempotency/table.py`` defines
+response body becomes ``LONGBLOB`` (what ``flask_idempotency/store/table.py`` defines
 there), and the table uses utf8mb4 so any scope or path fits, whatever the
 database's default character set.
 

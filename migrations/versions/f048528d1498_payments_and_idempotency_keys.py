@@ -3,7 +3,7 @@
 The example's first revision: its own ``payments`` table and the records table
 of Flask-Idempotency, which ``Idempotency(db=db)`` defines on ``db.metadata`` so
 ``flask db migrate`` generated it alongside. Hand-checked against
-``flask_idempotency/table.py``: the unique constraint on ``key_digest`` is what
+``flask_idempotency/store/table.py``: the unique constraint on ``key_digest`` is what
 lets exactly one concurrent first request claim a key (C8); the index on
 ``expires_at_ms`` serves ``flask idempotency prune``; ``body_omitted`` has a
 server default so the column can be filled on a populated table.

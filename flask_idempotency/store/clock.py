@@ -1,4 +1,9 @@
-"""The database's clock as this process sees it, without trusting the host's clock (C42).
+"""The database's clock: the SQL that reads it, and its estimate in this process (C42, C52).
+
+:class:`db_now_ms` is "now" by the database's clock in epoch milliseconds, as one SQL
+expression. Each dialect module (:mod:`.dialects`) registers how its database
+writes it, so that no session time zone or daylight saving change can shift it
+(C52); the rule here is the SQL-standard fallback.
 
 Expiry is decided by the database. To cache a completed record for exactly the
 time it has left, we need "now" by the database's clock; every answer of the store
@@ -12,6 +17,24 @@ wall clock (``time.time``) is never read, so a host an hour off changes nothing.
 from __future__ import annotations
 
 import time
+from typing import Any
+
+from sqlalchemy import BigInteger
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
+
+
+class db_now_ms(FunctionElement[int]):
+    """The database's current time in epoch milliseconds."""
+
+    type = BigInteger()
+    inherit_cache = True
+    name = "db_now_ms"
+
+
+@compiles(db_now_ms)
+def _now_ms_default(element: Any, compiler: Any, **kw: Any) -> str:
+    return "CAST(EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000 AS BIGINT)"
 
 
 class DatabaseClock:

@@ -1,10 +1,44 @@
-"""The request path's statements on a pooled psycopg2 connection, without SQLAlchemy's
-execution layer (issue 11).
+"""Statements written and sent on a pooled psycopg2 connection by hand (issue 11).
 
 CONTRACT C8, C14, C26.
 
-A replay from PostgreSQL is one statement and a first execution two; on the
-psycopg2 autocommit pool, SQLAlchemy's ``Connection`` (its checkout wrapper,
+Private library APIs this module touches (each a place a library release can break;
+:data:`_POOL_ENTRY_API` checks the pool methods' signatures once, at import, and a
+mismatch makes every statement take the ordinary ``pool.connect()`` checkout):
+
+SQLAlchemy
+  * ``QueuePool._do_get()``: take a pool entry without the checked-out proxy.
+  * ``sqlalchemy.pool.base._ConnectionRecord`` (the entry): ``get_connection()``,
+    ``checkin(_fairy_was_created=False)``, ``_checkin_failed(err, _fairy_was_created=False)``,
+    ``invalidate(exc)``, ``info``, ``dbapi_connection``.
+  * ``Pool._invalidate(entry, exc, _checkin=False)``: every older connection of the
+    pool is suspect after a disconnect, as SQLAlchemy decides
+    (``invalidate_pool_on_disconnect``).
+  * ``Pool._pre_ping``; ``pool.dispatch.checkout`` / ``.checkin`` / ``.reset``,
+    ``engine.dispatch.before_cursor_execute`` / ``.after_cursor_execute`` and
+    ``dialect.dispatch.handle_error``: whether anything listens (then the ordinary
+    path runs).
+  * ``DBAPIError.instance(sql, None, exc, error, hide_parameters=, connection_invalidated=,
+    dialect=)``: a driver error wrapped exactly as SQLAlchemy wraps it;
+    ``dialect.is_disconnect(exc, connection, cursor)``; ``dialect.loaded_dbapi``.
+  * Compiled statements: ``compiled.string``, ``compiled.binds[name].required`` / ``.type``,
+    ``compiled.params``; ``dialect.type_compiler_instance.process(type)``.
+
+psycopg2 (public API, relied on for exact behaviour)
+  * ``cursor.mogrify("%s", (value,))`` writes a literal exactly as ``execute`` would
+    for that connection (its encoding, ``standard_conforming_strings``);
+    ``_literal`` must give the same bytes (a differential test checks it).
+  * A statement run without parameters is sent as it is (``%%`` is not unescaped);
+    several statements in one ``execute`` go as one simple query; a negative integer
+    is written with a space before its sign; ``Error.pgcode`` is the SQLSTATE.
+
+Tested with the versions the project's test matrix installs (``noxfile.py``):
+SQLAlchemy 2.0.0 and the newest release (2.1.9 when this module was written),
+psycopg2 2.9.5 and the newest (2.9.13). The pool entry methods have been the same
+since SQLAlchemy 2.0.0.
+
+What it is for: a replay from PostgreSQL is one statement and a first execution two; on
+the psycopg2 autocommit pool, SQLAlchemy's ``Connection`` (its checkout wrapper,
 execution context, result and row machinery) cost about twice what psycopg2's own
 ``execute`` costs. Here the statement, compiled once to psycopg2's SQL, runs on a
 cursor of a connection checked out of that same SQLAlchemy pool: the pool keeps
@@ -12,20 +46,14 @@ its checkout and return, pre-ping, recycling, its events and fork reset, and a
 failure reaches the store as the very ``DBAPIError`` SQLAlchemy would have raised
 (a dead connection invalidated, with the whole pool's older connections, as
 SQLAlchemy does), so the store's retry and outage rules (C26) see no difference.
-The statements are prepared on the server once per pooled connection, until a
-transaction pooler shows (:meth:`DirectStatements.fetchone`, :meth:`DirectStatements.run`).
-
-Used only where nothing else could observe the difference: the store's own
-autocommit pool, whose engine has no ``before/after_cursor_execute`` or
-``handle_error`` listeners (an app's instrumentation on every ``Engine`` keeps
-the ordinary path). Every other driver and mode runs through SQLAlchemy.
+When the store uses it, and what falls back, is
+:class:`flask_idempotency.store.direct.DirectStatements`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import logging
 import operator
 import re
 from collections.abc import Callable, Sequence
@@ -37,14 +65,9 @@ from sqlalchemy.pool import QueuePool
 
 T = TypeVar("T")
 
-log = logging.getLogger("flask_idempotency")
-
 #: The key of the set of statements prepared on a pooled connection, in the pool's
 #: per-connection ``info`` (emptied by SQLAlchemy when the connection is replaced).
 _PREPARED = "flask_idempotency.prepared"
-#: "prepared statement does not exist" / "already exists": the statements of one
-#: pooled connection are not on one server connection (a transaction pooler between).
-_NOT_ONE_SERVER_CONNECTION = frozenset({"26000", "42P05"})
 #: "cached plan must not change result type": the table changed under a prepared statement.
 _REPLANNED_RESULT = "0A000"
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
@@ -262,68 +285,56 @@ def _pool_entry_api() -> bool:
 _POOL_ENTRY_API = _pool_entry_api()
 
 
-class DirectStatements:
-    """Run work on a cursor of a pooled DBAPI connection of ``engine`` (psycopg2, autocommit)."""
+def no_listeners(engine: Engine) -> bool:
+    """Nothing listens to the statements ``engine`` runs (``before/after_cursor_execute``,
+    ``handle_error``): none would miss the statements run here."""
+    dispatch = engine.dispatch
+    return not (
+        dispatch.before_cursor_execute
+        or dispatch.after_cursor_execute
+        or engine.dialect.dispatch.handle_error
+    )
+
+
+def fetchone(
+    cursor: Any, info: dict[str, Any], statement: DirectSQL, params: dict[str, Any], prepare: bool
+) -> Any:
+    """Run ``statement`` on ``cursor`` (with its pooled connection's ``info``); its first row.
+
+    ``prepare``: parsing and planning the claim's statement cost the server more than
+    running it, so it is prepared once per pooled connection: the first use sends
+    ``PREPARE`` and ``EXECUTE`` in one round trip, later ones ``EXECUTE``.
+    """
+    if not prepare:
+        cursor.execute(statement.plain(cursor, params))
+    else:
+        prepared = info.get(_PREPARED)
+        if prepared is None:
+            prepared = info[_PREPARED] = set()
+        if statement.name in prepared:
+            cursor.execute(statement.executed(cursor, params))
+        else:
+            cursor.execute(statement.prepare + b"; " + statement.executed(cursor, params))
+            prepared.add(statement.name)
+    row = cursor.fetchone()
+    at = statement.body_at
+    if at is not None and row is not None:
+        body = row[at]
+        if body is not None and len(body) > _KEPT_RESULT_BYTES:
+            # The cursor holds its last result until its next statement: a big one
+            # is let go with this cursor rather than kept by the pooled connection.
+            info.pop(_CURSOR, None)
+    return row
+
+
+class PooledCursors:
+    """Cursors of ``engine``'s pooled DBAPI connections (psycopg2, autocommit), one kept
+    per connection, with failures raised as SQLAlchemy raises them."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine  # its pool is replaced when a forked child disposes it
         self._dialect = engine.dialect
         self._error: type[Exception] = engine.dialect.loaded_dbapi.Error
-        #: Prepare statements on the server; off for good once a pooler is seen.
-        self.prepare = True
-
-    def usable(self) -> bool:
-        """No listener on the engine would miss the statements run here."""
-        dispatch = self._engine.dispatch
-        return not (
-            dispatch.before_cursor_execute
-            or dispatch.after_cursor_execute
-            or self._dialect.dispatch.handle_error
-        )
-
-    def compile(
-        self,
-        statement: Any,
-        record_values: Callable[[Any], Any] | None = None,
-        prefix: str = "",
-        body_at: int | None = None,
-    ) -> DirectSQL:
-        """``statement`` compiled for the direct path (``prefix``: SQL run before it;
-        ``body_at``: the result column of a stored body)."""
-        return DirectSQL(
-            statement.compile(dialect=self._dialect), self._dialect, record_values, prefix, body_at
-        )
-
-    def fetchone(
-        self, cursor: Any, info: dict[str, Any], statement: DirectSQL, params: dict[str, Any]
-    ) -> Any:
-        """Run ``statement`` on ``cursor`` (in :meth:`run`'s ``work``, with its connection's
-        ``info``); its first row.
-
-        Parsing and planning the claim's statement cost the server more than running
-        it, so it is prepared once per pooled connection: the first use sends
-        ``PREPARE`` and ``EXECUTE`` in one round trip, later ones ``EXECUTE``.
-        """
-        if not self.prepare:
-            cursor.execute(statement.plain(cursor, params))
-        else:
-            prepared = info.get(_PREPARED)
-            if prepared is None:
-                prepared = info[_PREPARED] = set()
-            if statement.name in prepared:
-                cursor.execute(statement.executed(cursor, params))
-            else:
-                cursor.execute(statement.prepare + b"; " + statement.executed(cursor, params))
-                prepared.add(statement.name)
-        row = cursor.fetchone()
-        at = statement.body_at
-        if at is not None and row is not None:
-            body = row[at]
-            if body is not None and len(body) > _KEPT_RESULT_BYTES:
-                # The cursor holds its last result until its next statement: a big one
-                # is let go with this cursor rather than kept by the pooled connection.
-                info.pop(_CURSOR, None)
-        return row
 
     def run(self, sql: str, work: Callable[[Any, dict[str, Any]], T]) -> T:
         """``work(cursor, info)`` on one pooled connection (``info``: the pool's dictionary
@@ -331,19 +342,6 @@ class DirectStatements:
 
         ``sql`` is only for the error's message.
         """
-        try:
-            return self._run_once(sql, work)
-        except DBAPIError as exc:
-            if getattr(exc.orig, "pgcode", None) not in _NOT_ONE_SERVER_CONNECTION:
-                raise  # those two only ever come from our PREPARE or EXECUTE
-        # The statement did not run: its connection's prepared statements are not on
-        # the server connection it reached (PgBouncer in transaction mode).
-        if self.prepare:
-            self.prepare = False
-            log.info("idempotency: a connection pooler is in use; statements are not prepared")
-        return self._run_once(sql, work)
-
-    def _run_once(self, sql: str, work: Callable[[Any, dict[str, Any]], T]) -> T:
         pool = self._engine.pool  # read each time: a forked child's engine has a new one
         lean = self._lean(pool)
         try:

@@ -1,6 +1,6 @@
 """Operator work on the records table: prune, stats, look-up, forget, schema check (C28–C29).
 
-Kept apart from :mod:`.store` because none of it is on the request path: these
+Kept apart from :mod:`.sql` because none of it is on the request path: these
 statements may scan, run in longer transactions, and must never create the
 table behind the operator's back, even for the embedded SQLite default.
 """
@@ -29,10 +29,11 @@ from sqlalchemy import (
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.schema import CreateIndex, CreateTable
 
-from .records import COMPLETED, IN_PROGRESS
-from .store import DurableStore, _describe, _optional_int
-from .store_dialects import MYSQL_FAMILY
-from .table import db_now_ms
+from ..records import COMPLETED, IN_PROGRESS
+from .clock import db_now_ms
+from .dialects import named
+from .errors import describe
+from .sql import DurableStore
 
 T = TypeVar("T")
 
@@ -127,12 +128,12 @@ class Maintenance:
 
     @contextmanager
     def _connection(self) -> Iterator[Connection]:
-        # One short transaction either way: no isolation switch per checkout (store.py).
+        # One short transaction either way: no isolation switch per checkout (engines.py).
         try:
             with self.engine.begin() as conn:
                 yield conn
         except SQLAlchemyError as exc:
-            raise MaintenanceError(_describe(exc)) from exc
+            raise MaintenanceError(describe(exc)) from exc
 
     def _run(self, work: Callable[[Connection], T]) -> T:
         with self._connection() as conn:
@@ -188,46 +189,13 @@ class Maintenance:
         condition = self._prunable()
         if from_expiry is not None:
             condition = and_(condition, t.c.expires_at_ms >= from_expiry)
-        doomed = select(t.c.id).where(condition).order_by(t.c.expires_at_ms).limit(batch_size)
-        if self.store.dialect in MYSQL_FAMILY:
-            return self._run(lambda conn: self._prune_batch_mysql(conn, condition, batch_size))
-        if self.store.dialect != "postgresql":
-            # SQLite removes index entries as it deletes: no cursor needed, and no
-            # DELETE … RETURNING, which only SQLite 3.35 and later understand.
-            stmt = delete(t).where(t.c.id.in_(doomed.scalar_subquery()))
-            deleted = self._run(lambda conn: conn.execute(stmt).rowcount)
-            return PruneBatch(int(deleted), None)
-        doomed = doomed.with_for_update(skip_locked=True)
-        returning = (
-            delete(t).where(t.c.id.in_(doomed.scalar_subquery())).returning(t.c.expires_at_ms)
-        )
+        rules = named(self.store.dialect)  # each database picks its batch its own way
 
         def run(conn: Connection) -> PruneBatch:
-            expiries = conn.execute(returning).scalars().all()
-            return PruneBatch(len(expiries), max(expiries, default=from_expiry))
+            deleted, last_expiry = rules.prune_batch(conn, t, condition, batch_size, from_expiry)
+            return PruneBatch(deleted, last_expiry)
 
         return self._run(run)
-
-    def _prune_batch_mysql(self, conn: Connection, condition: Any, batch_size: int) -> PruneBatch:
-        """MySQL/MariaDB: no ``LIMIT`` in an ``IN`` subquery, no ``DELETE … RETURNING``.
-
-        The batch's rows are picked and locked with ``FOR UPDATE SKIP LOCKED`` (rows
-        a request or another prune holds are left for the next run), then deleted
-        by primary key with the condition checked again, in one short transaction.
-        """
-        t = self.table
-        picked = conn.execute(
-            select(t.c.id, t.c.expires_at_ms)
-            .where(condition)
-            .order_by(t.c.expires_at_ms)
-            .limit(batch_size)
-            .with_for_update(skip_locked=True)
-        ).all()
-        if not picked:
-            return PruneBatch(0, None)
-        ids = [row.id for row in picked]
-        deleted = conn.execute(delete(t).where(t.c.id.in_(ids), condition)).rowcount
-        return PruneBatch(int(deleted), max(row.expires_at_ms for row in picked))
 
     # -- stats --------------------------------------------------------------------------
 
@@ -466,6 +434,10 @@ def _has_leading_index(inspector: Any, table: Table, column: str) -> bool:
         if names and names[0] == column:
             return True
     return False
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _case_one(condition: Any) -> Any:

@@ -1,0 +1,103 @@
+"""The direct path: the request path's statements on a pooled psycopg2 connection, without
+SQLAlchemy's execution layer (issue 11), and when it is taken.
+
+CONTRACT C8, C14, C26.
+
+How a statement is written and sent is :mod:`flask_idempotency._wire.psycopg2`
+(hand-written, touching private library APIs it lists). Here is the switch:
+
+* Used only where nothing else could observe the difference: the store's own
+  autocommit pool (PostgreSQL with psycopg2), whose engine has no
+  ``before/after_cursor_execute`` or ``handle_error`` listeners (an app's
+  instrumentation on every ``Engine`` keeps the ordinary path, :meth:`usable`).
+  Every other driver and mode runs through SQLAlchemy.
+* The statements are prepared on the server once per pooled connection, until a
+  transaction pooler shows: then every statement is sent plain, for good (:meth:`run`).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
+
+from .._wire.psycopg2 import DirectSQL, PooledCursors, fetchone, no_listeners
+from ..records import RECORD_COLUMNS
+from .dialects import of
+
+T = TypeVar("T")
+
+log = logging.getLogger("flask_idempotency")
+
+#: "prepared statement does not exist" / "already exists": the statements of one
+#: pooled connection are not on one server connection (a transaction pooler between).
+_NOT_ONE_SERVER_CONNECTION = frozenset({"26000", "42P05"})
+
+
+class DirectStatements:
+    """Run work on a cursor of a pooled DBAPI connection of ``engine`` (psycopg2, autocommit)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine  # its pool is replaced when a forked child disposes it
+        self._dialect = engine.dialect
+        self._cursors = PooledCursors(engine)
+        prefix = of(engine).async_claim_prefix(engine.dialect.driver)
+        #: Put before the claim for ``IDEMPOTENCY_ASYNC_CLAIM`` (see :mod:`.dialects`).
+        self.async_claim_prefix = "" if prefix is None else prefix
+        #: Prepare statements on the server; off for good once a pooler is seen.
+        self.prepare = True
+
+    def usable(self) -> bool:
+        """No listener on the engine would miss the statements run here."""
+        return no_listeners(self._engine)
+
+    def compile(
+        self,
+        statement: Any,
+        record_values: Callable[[Any], Any] | None = None,
+        prefix: str = "",
+        body_at: int | None = None,
+    ) -> DirectSQL:
+        """``statement`` compiled for the direct path (``prefix``: SQL run before it;
+        ``body_at``: the result column of a stored body)."""
+        return DirectSQL(
+            statement.compile(dialect=self._dialect), self._dialect, record_values, prefix, body_at
+        )
+
+    def compile_for_store(self, statement: Any, prefix: str = "") -> DirectSQL:
+        """:meth:`compile`, told where the statement's result holds a record's columns
+        and its stored body (statements that read a record)."""
+        names = [c.key for c in statement.exported_columns]
+        at = [names.index(column) for column in RECORD_COLUMNS if column in names]
+        getter = operator.itemgetter(*at) if len(at) == len(RECORD_COLUMNS) else None
+        body_at = names.index("response_body") if "response_body" in names else None
+        return self.compile(statement, getter, prefix, body_at)
+
+    def fetchone(
+        self, cursor: Any, info: dict[str, Any], statement: DirectSQL, params: dict[str, Any]
+    ) -> Any:
+        """Run ``statement`` on ``cursor`` (in :meth:`run`'s ``work``, with its connection's
+        ``info``); its first row. Prepared on the server unless a pooler was seen."""
+        return fetchone(cursor, info, statement, params, self.prepare)
+
+    def run(self, sql: str, work: Callable[[Any, dict[str, Any]], T]) -> T:
+        """``work(cursor, info)`` on one pooled connection (``info``: the pool's dictionary
+        for that connection); a driver error as SQLAlchemy raises it.
+
+        ``sql`` is only for the error's message.
+        """
+        try:
+            return self._cursors.run(sql, work)
+        except DBAPIError as exc:
+            if getattr(exc.orig, "pgcode", None) not in _NOT_ONE_SERVER_CONNECTION:
+                raise  # those two only ever come from our PREPARE or EXECUTE
+        # The statement did not run: its connection's prepared statements are not on
+        # the server connection it reached (PgBouncer in transaction mode).
+        if self.prepare:
+            self.prepare = False
+            log.info("idempotency: a connection pooler is in use; statements are not prepared")
+        return self._cursors.run(sql, work)

@@ -1,0 +1,77 @@
+"""The store's errors, and what a driver error says (CONTRACT C25, C26, C45).
+
+Every failure of the durable store reaches the lifecycle as :class:`StoreError` (an
+outage: 503) or :class:`StoreMisconfigured` (a deployment error: never failed open).
+The helpers here read a driver's error the same way whichever database raised it.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.exc import DBAPIError
+
+
+class StoreError(Exception):
+    """The durable store could not answer; the request gets 503 (C25, C26)."""
+
+
+class StoreMisconfigured(StoreError):
+    """The records table is missing or does not match the code: a deployment error (C45).
+
+    Not an outage: waiting does not fix it, and failing open for it would run
+    every protected view unprotected. The message says what to run.
+    """
+
+
+#: The SQLSTATEs MySQL documents for error numbers whose drivers report no SQLSTATE.
+_MYSQL_SQLSTATES = {1213: "40001", 1146: "42S02", 1054: "42S22"}
+
+
+def sqlstate(exc: BaseException | None) -> str | None:
+    """The SQLSTATE of a driver error; for PyMySQL/mysqlclient, the one MySQL documents
+    for its error number (a deadlock is ``40001`` there, as on PostgreSQL)."""
+    orig = getattr(exc, "orig", exc)
+    state = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+    if state is None:
+        errno = mysql_errno(exc)
+        state = None if errno is None else _MYSQL_SQLSTATES.get(errno)
+    return state
+
+
+def mysql_errno(exc: BaseException | None) -> int | None:
+    """The server's error number of a PyMySQL or mysqlclient error."""
+    orig = getattr(exc, "orig", exc)
+    args = getattr(orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+#: SQLSTATEs / messages of "no such table" and "no such column" (C45).
+_SCHEMA_SQLSTATES = frozenset({"42P01", "42703", "42S02", "42S22"})
+_SCHEMA_MYSQL_ERRNOS = frozenset({1146, 1054})
+_SCHEMA_MESSAGES = ("no such table", "no such column", "has no column named")
+
+
+def is_schema_error(exc: DBAPIError) -> bool:
+    """The table or one of its columns is missing: a deployment error (C45)."""
+    if sqlstate(exc) in _SCHEMA_SQLSTATES:
+        return True
+    if mysql_errno(exc) in _SCHEMA_MYSQL_ERRNOS:
+        return True
+    message = str(exc.orig).lower()
+    return any(m in message for m in _SCHEMA_MESSAGES)
+
+
+def schema_help(table_name: str, exc: BaseException) -> str:
+    """What :class:`StoreMisconfigured` says: the table, the error, and what to run."""
+    return (
+        f"the table {table_name!r} is missing or does not match Flask-Idempotency"
+        f" ({describe(exc)}). This is a deployment error, not an outage: run"
+        " `flask db upgrade` (Flask-Migrate), or `flask idempotency create-table`,"
+        " or `db.create_all()`; `flask idempotency check` compares the table"
+    )
+
+
+def describe(exc: BaseException) -> str:
+    """A driver error in one line: its type and the first line of its message."""
+    orig = getattr(exc, "orig", None) or exc
+    first_line = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+    return f"{type(orig).__name__}: {first_line}"
