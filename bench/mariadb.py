@@ -33,7 +33,7 @@ from flask import Flask, jsonify
 from sqlalchemy.engine import make_url
 
 from flask_idempotency import Idempotency, idempotent
-from flask_idempotency.extension import create_store_engine
+from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.records import Claim, Identity, StoredResponse
 from flask_idempotency.store import DurableStore

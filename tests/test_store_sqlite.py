@@ -13,7 +13,7 @@ import uuid
 import pytest
 from sqlalchemy import func, select
 
-from flask_idempotency.extension import create_store_engine
+from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.records import (
     COMPLETED,

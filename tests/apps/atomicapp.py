@@ -51,7 +51,7 @@ from sqlalchemy import (
 )
 
 from flask_idempotency import Idempotency, idempotent, signals
-from flask_idempotency.extension import create_store_engine
+from flask_idempotency.store.connect import create_store_engine
 
 #: The stretches of ``X-Sleep``, in order.
 SLEEP_STEPS = ("pre", "mid", "post")

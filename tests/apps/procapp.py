@@ -19,7 +19,7 @@ from flask import Flask, jsonify, request
 from sqlalchemy import Column, DateTime, Integer, MetaData, Table, Text, func, insert
 
 from flask_idempotency import Idempotency, idempotent
-from flask_idempotency.extension import create_store_engine
+from flask_idempotency.store.connect import create_store_engine
 
 
 def executions_table(metadata: MetaData, records_table: str) -> Table:

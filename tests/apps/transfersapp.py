@@ -45,7 +45,7 @@ from sqlalchemy import (
 )
 
 from flask_idempotency import Idempotency, idempotent
-from flask_idempotency.extension import create_store_engine
+from flask_idempotency.store.connect import create_store_engine
 
 #: Routes: the level of the view's transaction, and its retries.
 LEVELS = {

@@ -37,7 +37,7 @@ from sqlalchemy import (
 )
 
 from flask_idempotency import Idempotency, idempotent, signals
-from flask_idempotency.extension import create_store_engine
+from flask_idempotency.store.connect import create_store_engine
 
 
 def ledger_tables(metadata: MetaData, records_table: str) -> tuple[Table, Table]:

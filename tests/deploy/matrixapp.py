@@ -24,7 +24,7 @@ from sqlalchemy import Column, Integer, MetaData, Table, Text, insert
 from sqlalchemy.engine import Engine
 
 from flask_idempotency import Idempotency, idempotent
-from flask_idempotency.extension import create_store_engine
+from flask_idempotency.store.connect import create_store_engine
 
 
 def executions_table(metadata: MetaData, records_table: str) -> Table:

@@ -37,7 +37,7 @@ import requests
 from sqlalchemy import MetaData, func, select, text
 from sqlalchemy.engine import URL, Engine
 
-from flask_idempotency.extension import create_store_engine
+from flask_idempotency.store.connect import create_store_engine
 from tests.conftest import driver_url
 from tests.deploy.matrixapp import executions_table
 from tests.support.gunicorn import REPO_ROOT, GunicornServer

@@ -20,7 +20,7 @@ from flask import jsonify, request
 from sqlalchemy.engine import URL, make_url
 
 from flask_idempotency import idempotent
-from flask_idempotency.extension import create_store_engine
+from flask_idempotency.store.connect import create_store_engine
 from tests.conftest import PG_DRIVERS, driver_url
 from tests.support.pgbouncer import PgBouncer
 

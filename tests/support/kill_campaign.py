@@ -31,7 +31,7 @@ import requests
 from sqlalchemy import Engine, MetaData, Table, select
 from sqlalchemy.engine import URL
 
-from flask_idempotency.extension import create_store_engine
+from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.records import Record
 from flask_idempotency.store import DurableStore
