@@ -86,6 +86,7 @@ lint: install
 	$(VENV)/bin/ruff check flask_idempotency tests example bench recipes docs/conf.py docs/_ext docs/check_site.py .ci/package_check.py
 	$(VENV)/bin/ruff format --check flask_idempotency tests example bench recipes docs/conf.py docs/_ext docs/check_site.py .ci/package_check.py
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 # Latency, wake-up and throughput figures against PostgreSQL and Redis, with idemkit side by
 # side: bench/results/RESULTS.md (profile: bench/profiling.py). Needs wrk for the throughput part.
