@@ -1,8 +1,10 @@
 """What makes two requests "the same request" (CONTRACT C5–C7, C31).
 
 The fingerprint is SHA-256 over the method, the URL rule with its values, the
-sorted query string and a canonical body: JSON with sorted keys and no
-insignificant whitespace, forms as sorted fields, anything else as raw bytes.
+query string and a canonical body: JSON with sorted keys and no insignificant
+whitespace, forms as fields, anything else as raw bytes. Query items and form
+fields are sorted by name only, stably: the order of names does not matter, the
+order of a repeated name's values does, as it does to ``request.args["a"]``.
 Each part is length-prefixed so that no two different requests can run together
 into the same byte string.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import operator
 import sys
 import tempfile
 from collections.abc import Callable
@@ -22,7 +25,8 @@ from werkzeug.local import LocalProxy
 from werkzeug.wsgi import LimitedStream
 
 #: Bumped whenever the canonical form changes, so old records never match by accident.
-FINGERPRINT_VERSION = b"fp1"
+#: ``fp2`` (issue 26): a repeated name keeps the order of its values.
+FINGERPRINT_VERSION = b"fp2"
 ANONYMOUS_SCOPE = "anonymous"
 _CHUNK = 64 * 1024
 #: Raw bodies up to this size are hashed in memory; larger ones spill to disk.
@@ -43,6 +47,9 @@ _JSON_STRING: Callable[[str], str] = json.encoder.encode_basestring
 #: A decoder as ``json.loads`` uses when given no options, and its scanner: one value
 #: from a position, as ``(value, end)``.
 _JSON_DECODER = json.JSONDecoder()
+#: Sort key of a query item or form field: its name only. ``sorted`` is stable, so the
+#: values of a repeated name keep their order (``a=1&a=2`` is not ``a=2&a=1``, C6).
+_NAME = operator.itemgetter(0)
 _scan_json: Callable[[str, int], tuple[Any, int]] = _JSON_DECODER.scan_once  # type: ignore[attr-defined]
 
 
@@ -131,9 +138,9 @@ def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozense
     form's idempotency key and CSRF token, C49), left out of a form body.
 
     The digest's input is the framed parts (see :func:`_digest`) of the version,
-    the method, the rule, the URL values as JSON, the sorted query as JSON and the
-    body's own SHA-256. Every replay computes it, so the parts that are the same
-    for a route are framed once (issue 11); the bytes are what they always were.
+    the method, the rule, the URL values as JSON, the query as JSON (sorted by name,
+    each name's values in their order) and the body's own SHA-256. Every replay
+    computes it, so the parts that are the same for a route are framed once (issue 11).
     """
     if isinstance(request, LocalProxy):
         request = request._get_current_object()
@@ -152,7 +159,9 @@ def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozense
     else:
         values = _VIEW_ARGS_JSON.encode(view_args) if view_args else "{}"
         query = (
-            _COMPACT_JSON.encode(sorted(request.args.items(multi=True))) if query_string else "[]"
+            _COMPACT_JSON.encode(sorted(request.args.items(multi=True), key=_NAME))
+            if query_string
+            else "[]"
         )
         args = _frame(values.encode("utf-8")) + _frame(query.encode("utf-8"))
     return hashlib.sha256(b"".join((head, args, _BODY_DIGEST_LENGTH, body.digest()))).hexdigest()

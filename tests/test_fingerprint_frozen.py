@@ -1,11 +1,17 @@
-"""The fingerprint's bytes never change (C5, C6, C31).
+"""The fingerprint's bytes change only where a change was meant (C5, C6, C31).
 
 Stored records are compared with the fingerprint a retry computes, so a faster
-implementation must give exactly the bytes the old one gave, for every request.
+implementation must give exactly the bytes the plain one gives, for every request.
+
 ``frozen_request_fingerprint`` below is the implementation of 2026-11-24 before
 issue 11's rewrite, kept verbatim in its logic (the form fields as the one JSON
-text the piecewise hashing reproduces): Hypothesis compares the two over generated
-requests, and fixed vectors pin both to digests computed by the old code.
+text the piecewise hashing reproduces): the ``fp1`` format. Issue 26 changed the
+format on purpose (``fp2``): a repeated query name keeps the order of its values.
+``reference_fingerprint`` is the frozen code with exactly those changes, written
+as plainly; Hypothesis compares today's implementation with it over generated
+requests, and checks that every part of ``fp1`` the change does not concern is
+still the same bytes. Fixed vectors pin the frozen copy to the digests the old
+code computed, and today's code to the ``fp2`` digests.
 """
 
 from __future__ import annotations
@@ -64,7 +70,8 @@ def _frozen_form(req: Request, omit: frozenset[str], *, with_files: bool) -> byt
     return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
-def frozen_request_fingerprint(req: Request, omit_fields: frozenset[str] = frozenset()) -> str:
+def frozen_parts(req: Request, omit_fields: frozenset[str] = frozenset()) -> dict[str, bytes]:
+    """The ``fp1`` digest's parts, in order (the frozen code, split where it digests)."""
     rule = req.url_rule.rule if req.url_rule is not None else req.path
     view_args = json.dumps(req.view_args, sort_keys=True, default=str) if req.view_args else "{}"
     if req.query_string:
@@ -84,21 +91,46 @@ def frozen_request_fingerprint(req: Request, omit_fields: frozenset[str] = froze
         body.update(b"multipart:" + _frozen_form(req, omit_fields, with_files=True))
     else:
         body.update(b"raw:" + req.get_data(cache=True))
-    return _frozen_digest(
-        b"fp1",
-        req.method.encode("ascii"),
-        rule.encode("utf-8"),
-        view_args.encode("utf-8"),
-        query.encode("utf-8"),
-        body.digest(),
-    )
+    return {
+        "version": b"fp1",
+        "method": req.method.encode("ascii"),
+        "rule": rule.encode("utf-8"),
+        "view_args": view_args.encode("utf-8"),
+        "query": query.encode("utf-8"),
+        "body": body.digest(),
+    }
+
+
+def frozen_request_fingerprint(req: Request, omit_fields: frozenset[str] = frozenset()) -> str:
+    return _frozen_digest(*frozen_parts(req, omit_fields).values())
+
+
+# -- the reference: the frozen code with issue 26's changes, and nothing else ------------
+
+
+def reference_parts(req: Request, omit_fields: frozenset[str] = frozenset()) -> dict[str, bytes]:
+    """The ``fp2`` digest's parts, in order. What differs from :func:`frozen_parts`:
+
+    - the version is ``fp2``;
+    - query items are sorted by name only, stably (item 1): a repeated name keeps
+      the order of its values.
+    """
+    parts = frozen_parts(req, omit_fields)
+    parts["version"] = b"fp2"
+    if req.query_string:
+        items = sorted(req.args.items(multi=True), key=lambda item: item[0])
+        parts["query"] = json.dumps(items, separators=(",", ":")).encode("utf-8")
+    return parts
+
+
+def reference_fingerprint(req: Request, omit_fields: frozenset[str] = frozenset()) -> str:
+    return _frozen_digest(*reference_parts(req, omit_fields).values())
 
 
 # -- requests ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def app() -> Flask:
+def make_fp_app() -> Flask:
     app = Flask("fingerprint_frozen")
 
     @app.route("/pay", methods=["POST", "PATCH"])
@@ -116,13 +148,49 @@ def app() -> Flask:
     return app
 
 
-def both(app: Flask, path: str, method: str = "POST", **kwargs: Any) -> tuple[str, str]:
-    """(today's, frozen) fingerprint of the same request, each in a context of its own."""
+@pytest.fixture(scope="module")
+def app() -> Flask:
+    return make_fp_app()
+
+
+def compute_each(app: Flask, path: str, method: str, computes: Any, **kwargs: Any) -> list[Any]:
+    """Each of ``computes`` on the same request, each in a request context of its own."""
     out = []
-    for compute in (request_fingerprint, frozen_request_fingerprint):
+    for compute in computes:
         with app.test_request_context(path, method=method, **kwargs):
             out.append(compute(request, OMIT))
-    return out[0], out[1]
+    return out
+
+
+def both(app: Flask, path: str, method: str = "POST", **kwargs: Any) -> tuple[str, str]:
+    """(today's, reference) fingerprint of the same request."""
+    new, reference = compute_each(
+        app, path, method, (request_fingerprint, reference_fingerprint), **kwargs
+    )
+    return new, reference
+
+
+def frozen(app: Flask, path: str, method: str = "POST", **kwargs: Any) -> str:
+    """The ``fp1`` fingerprint of the request, as records written before issue 26 hold it."""
+    return str(compute_each(app, path, method, (frozen_request_fingerprint,), **kwargs)[0])
+
+
+def _query_names(req: Request, omit: frozenset[str]) -> list[str]:
+    return [name for name, _ in req.args.items(multi=True)]
+
+
+def assert_fp1_parts_kept(app: Flask, path: str, method: str = "POST", **kwargs: Any) -> None:
+    """Every part of ``fp1`` the changes of issue 26 do not concern is the same bytes."""
+    old, new, names = compute_each(
+        app, path, method, (frozen_parts, reference_parts, _query_names), **kwargs
+    )
+    assert new["version"] == b"fp2"
+    for name in ("method", "rule", "view_args", "body"):
+        assert new[name] == old[name], name
+    # Item 1: the same query items, in the same order unless a name is repeated.
+    assert sorted(json.loads(new["query"])) == json.loads(old["query"])
+    if len(set(names)) == len(names):
+        assert new["query"] == old["query"]
 
 
 GOLDEN = [
@@ -134,6 +202,7 @@ GOLDEN = [
             "content_type": "application/json",
         },
         "3169d76f50980b0544cdd2886edc409928031e6ccefc6a584624636761372be2",
+        "59bed1ebb732a9ec4d2d031a6ffc13650367ca0a4ec10330e80fdf2f2c8c83ef",
     ),
     (
         "/pay?b=2&a=1&a=0",
@@ -143,46 +212,54 @@ GOLDEN = [
             "content_type": "application/merge-patch+json",
         },
         "8e01901ce791e3b3048622f19ec6ced9747871e25e34f1f3253746bb9271a992",
+        "3ad79a0d1161e09f0a158a9631eee7a60f1316310634826f91e1778a4d5a2c68",
     ),
     (
         "/items/7",
         "POST",
         {"data": b"{not json", "content_type": "application/json; charset=utf-8"},
         "535849dded5a07908911ac024fc5864cf53826ffa0b424972ac74fcc0d09a86d",
+        "30da24d8a03bda68e2f2aabf19fac32ecbdf17b0263cde133b2262706f287a54",
     ),
     (
         "/items/7",
         "POST",
         {"data": '{"a":"é"}'.encode("utf-16"), "content_type": "application/json"},
         "eebd82b6ce9e00dc91b6bffc1171043c3b08880df59bda4cba261ed6a94f39de",
+        "0adc60aa8507129dde364b27061714f7870f2c19ff221f3e417709eb8c1e2bed",
     ),
     (
         "/pay",
         "POST",
         {"data": bytes(range(256)), "content_type": "application/octet-stream"},
         "6bf50749bbde0c6e606374e76d8f4f320f60e296b8b6eac146c1847345491989",
+        "5b8feb77d1fb02df02001873656f1e31ac1f497e16665f6c3d1e12e520176e4a",
     ),
     (
         "/pay",
         "POST",
         {"data": {"b": "2", "a": "1", "_idempotency_key": "k"}},
         "9e7a824ea465682a91e3888aa2a99c71897ce8e0db67ae8960c4944a4b087e3f",
+        "cd49fdd3779e9ef75f388b6d60ba4e0804ce843662035df9d1b0dfc66ae56b89",
     ),
     (
         "/nowhere",
         "POST",
         {"data": b"[1,2]", "content_type": "application/json"},
         "35567820055291dd1340e419ae89878e56f85676b1ba163cc40ec8b6612a2508",
+        "4fc3e39aa520191314fe6f26639d1cbe2dfafb74d3b71a0b8084e3f56d48bde0",
     ),
 ]
 
 
-@pytest.mark.parametrize(("path", "method", "kwargs", "expected"), GOLDEN)
+@pytest.mark.parametrize(("path", "method", "kwargs", "expected", "expected_fp2"), GOLDEN)
 def test_c6_fingerprints_are_the_digests_stored_records_hold(
-    app: Flask, path: str, method: str, kwargs: dict[str, Any], expected: str
+    app: Flask, path: str, method: str, kwargs: dict[str, Any], expected: str, expected_fp2: str
 ) -> None:
-    """Digests computed by the implementation before issue 11 (the frozen copy's origin)."""
-    assert both(app, path, method, **kwargs) == (expected, expected)
+    """``fp1``: digests computed by the implementation before issue 11 (the frozen copy's
+    origin), which records written before issue 26 hold. ``fp2``: today's, pinned."""
+    assert frozen(app, path, method, **kwargs) == expected
+    assert both(app, path, method, **kwargs) == (expected_fp2, expected_fp2)
 
 
 def test_c5_key_digests_are_the_ones_stored_records_hold() -> None:
@@ -226,8 +303,8 @@ def test_c5_key_digests_are_the_ones_stored_records_hold() -> None:
     ],
 )
 def test_c6_odd_json_bodies_keep_their_fingerprint(app: Flask, body: bytes) -> None:
-    new, frozen = both(app, "/pay", data=body, content_type="application/json")
-    assert new == frozen
+    new, reference = both(app, "/pay", data=body, content_type="application/json")
+    assert new == reference
 
 
 JSON_SCALARS = st.one_of(
@@ -289,7 +366,9 @@ CONTENT_TYPES = [
     "application/x-www-form-urlencoded",
     "",
 ]
-QUERY = st.lists(st.tuples(st.text(max_size=5), st.text(max_size=5)), max_size=4).map(urlencode)
+#: Names that repeat often, so repeated names and their values' order are exercised.
+NAMES = st.one_of(st.sampled_from(["a", "b", "amount", ""]), st.text(max_size=5))
+QUERY = st.lists(st.tuples(NAMES, st.text(max_size=5)), max_size=5).map(urlencode)
 
 
 @settings(
@@ -314,8 +393,38 @@ def test_c6_the_fingerprint_is_the_frozen_one_for_any_request(
     app: Flask, path: str, method: str, query: str, content_type: str, body: bytes
 ) -> None:
     url = path + ("?" + query if query else "")
-    new, frozen = both(app, url, method, data=body, content_type=content_type)
-    assert new == frozen
+    new, reference = both(app, url, method, data=body, content_type=content_type)
+    assert new == reference
+    assert_fp1_parts_kept(app, url, method, data=body, content_type=content_type)
+
+
+def _values_by_name(req: Request, omit: frozenset[str]) -> dict[str, list[str]]:
+    return req.args.to_dict(flat=False)
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    items=st.lists(st.tuples(NAMES, st.text(max_size=4)), min_size=2, max_size=6),
+    rnd=st.randoms(use_true_random=False),
+)
+def test_i26_1_c6_a_names_values_keep_their_order_the_names_do_not(
+    app: Flask, items: list[tuple[str, str]], rnd: random.Random
+) -> None:
+    """The new difference: ``fp1`` merged every reordering of the query; ``fp2`` merges
+    exactly those that leave each name's values in their order."""
+    shuffled = list(items)
+    rnd.shuffle(shuffled)
+    first, second = "/pay?" + urlencode(items), "/pay?" + urlencode(shuffled)
+    assert frozen(app, first, json={}) == frozen(app, second, json={})
+    read = [
+        compute_each(app, url, "POST", (_values_by_name,), json={})[0] for url in (first, second)
+    ]
+    same_values = read[0] == read[1]
+    assert (both(app, first, json={})[0] == both(app, second, json={})[0]) == same_values
 
 
 @settings(max_examples=200, deadline=None)
