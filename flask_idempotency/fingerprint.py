@@ -25,7 +25,7 @@ from werkzeug.local import LocalProxy
 from werkzeug.wsgi import LimitedStream
 
 #: Bumped whenever the canonical form changes, so old records never match by accident.
-#: ``fp2`` (issue 26): a repeated name keeps the order of its values.
+#: ``fp2`` (issue 26): a repeated query name, form field or upload keeps its values' order.
 FINGERPRINT_VERSION = b"fp2"
 ANONYMOUS_SCOPE = "anonymous"
 _CHUNK = 64 * 1024
@@ -50,6 +50,8 @@ _JSON_DECODER = json.JSONDecoder()
 #: Sort key of a query item or form field: its name only. ``sorted`` is stable, so the
 #: values of a repeated name keep their order (``a=1&a=2`` is not ``a=2&a=1``, C6).
 _NAME = operator.itemgetter(0)
+#: The same for a form's fields and uploads, each ``[kind, name, ...]``: fields, then files.
+_KIND_AND_NAME = operator.itemgetter(0, 1)
 _scan_json: Callable[[str, int], tuple[Any, int]] = _JSON_DECODER.scan_once  # type: ignore[attr-defined]
 
 
@@ -308,12 +310,16 @@ _dump_canonical = _canonical_encoder()
 
 
 def _hash_fields(request: Request, body: Any, omit: frozenset[str], *, with_files: bool) -> None:
-    """Hash the sorted fields as the compact JSON list they always were, piece by piece.
+    """Hash the fields as a compact JSON list, piece by piece.
+
+    The fields (``["f", name, value]``), then the uploads (``["file", name,
+    filename, mimetype, sha256]``), each sorted by name only, stably: the order of
+    names does not count, the order of a repeated name's values does (C6).
 
     The bytes fed to ``body`` are exactly ``json.dumps(fields, separators=(",", ":"),
-    ensure_ascii=False).encode()``, so fingerprints do not change, but no whole
-    JSON text of the form is ever built: an 80 MiB field used to cost two more
-    80 MiB copies (the JSON string and its UTF-8 bytes), see C31.
+    ensure_ascii=False).encode()``, but no whole JSON text of the form is ever
+    built: an 80 MiB field used to cost two more 80 MiB copies (the JSON string and
+    its UTF-8 bytes), see C31.
     """
     fields = [["f", k, v] for k, v in request.form.items(multi=True) if k not in omit]
     if with_files:
@@ -326,7 +332,7 @@ def _hash_fields(request: Request, body: Any, omit: frozenset[str], *, with_file
             fields.append(
                 ["file", name, upload.filename or "", upload.mimetype, content.hexdigest()]
             )
-    fields.sort()
+    fields.sort(key=_KIND_AND_NAME)  # stable: a repeated name keeps its values' order (C6)
     body.update(b"[")
     for index, field in enumerate(fields):
         body.update(b"[" if index == 0 else b",[")

@@ -33,6 +33,7 @@ from werkzeug.test import EnvironBuilder
 from flask_idempotency.fingerprint import key_digest, request_fingerprint
 
 OMIT = frozenset({"_idempotency_key", "csrf_token"})
+FORM = "application/x-www-form-urlencoded"
 
 # -- the frozen copy ---------------------------------------------------------------------
 
@@ -108,18 +109,37 @@ def frozen_request_fingerprint(req: Request, omit_fields: frozenset[str] = froze
 # -- the reference: the frozen code with issue 26's changes, and nothing else ------------
 
 
+def _reference_form(req: Request, omit: frozenset[str], *, with_files: bool) -> bytes:
+    """:func:`_frozen_form`, its fields and files sorted by (kind, name) only, stably."""
+    fields: list[list[str]] = [["f", k, v] for k, v in req.form.items(multi=True) if k not in omit]
+    if with_files:
+        for name, upload in req.files.items(multi=True):
+            content = hashlib.sha256(upload.stream.read()).hexdigest()
+            upload.stream.seek(0)
+            fields.append(["file", name, upload.filename or "", upload.mimetype, content])
+    fields.sort(key=lambda field: (field[0], field[1]))
+    return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
 def reference_parts(req: Request, omit_fields: frozenset[str] = frozenset()) -> dict[str, bytes]:
     """The ``fp2`` digest's parts, in order. What differs from :func:`frozen_parts`:
 
     - the version is ``fp2``;
     - query items are sorted by name only, stably (item 1): a repeated name keeps
-      the order of its values.
+      the order of its values;
+    - so are form fields, and uploads, each by name (item 2).
     """
     parts = frozen_parts(req, omit_fields)
     parts["version"] = b"fp2"
     if req.query_string:
         items = sorted(req.args.items(multi=True), key=lambda item: item[0])
         parts["query"] = json.dumps(items, separators=(",", ":")).encode("utf-8")
+    if req.mimetype == "application/x-www-form-urlencoded":
+        form = _reference_form(req, omit_fields, with_files=False)
+        parts["body"] = hashlib.sha256(b"form:" + form).digest()
+    elif req.mimetype == "multipart/form-data":
+        form = _reference_form(req, omit_fields, with_files=True)
+        parts["body"] = hashlib.sha256(b"multipart:" + form).digest()
     return parts
 
 
@@ -175,23 +195,55 @@ def frozen(app: Flask, path: str, method: str = "POST", **kwargs: Any) -> str:
     return str(compute_each(app, path, method, (frozen_request_fingerprint,), **kwargs)[0])
 
 
-def _query_names(req: Request, omit: frozenset[str]) -> list[str]:
-    return [name for name, _ in req.args.items(multi=True)]
+def _repeats(names: list[str]) -> bool:
+    return len(set(names)) != len(names)
+
+
+def _names(req: Request, omit: frozenset[str]) -> dict[str, bool]:
+    """Whether the query, the form fields or the uploads repeat a name."""
+    is_form = req.mimetype in ("application/x-www-form-urlencoded", "multipart/form-data")
+    return {
+        "query": _repeats([name for name, _ in req.args.items(multi=True)]),
+        "fields": is_form and _repeats([k for k, _ in req.form.items(multi=True) if k not in omit]),
+        "files": req.mimetype == "multipart/form-data"
+        and _repeats([name for name, _ in req.files.items(multi=True)]),
+    }
 
 
 def assert_fp1_parts_kept(app: Flask, path: str, method: str = "POST", **kwargs: Any) -> None:
     """Every part of ``fp1`` the changes of issue 26 do not concern is the same bytes."""
-    old, new, names = compute_each(
-        app, path, method, (frozen_parts, reference_parts, _query_names), **kwargs
+    old, new, repeated = compute_each(
+        app, path, method, (frozen_parts, reference_parts, _names), **kwargs
     )
     assert new["version"] == b"fp2"
-    for name in ("method", "rule", "view_args", "body"):
+    for name in ("method", "rule", "view_args"):
         assert new[name] == old[name], name
     # Item 1: the same query items, in the same order unless a name is repeated.
     assert sorted(json.loads(new["query"])) == json.loads(old["query"])
-    if len(set(names)) == len(names):
+    if not repeated["query"]:
         assert new["query"] == old["query"]
+    # Item 2: the same body, unless a form repeats a field's or an upload's name.
+    if not (repeated["fields"] or repeated["files"]):
+        assert new["body"] == old["body"]
 
+
+def _part(name: str, value: bytes, filename: str | None = None) -> bytes:
+    disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+    head = f"--b0undary\r\nContent-Disposition: {disposition}\r\n"
+    if filename:
+        head += "Content-Type: text/plain\r\n"
+    return head.encode() + b"\r\n" + value + b"\r\n"
+
+
+#: A multipart body that repeats a field and an upload name.
+MULTIPART = (
+    _part("qty", b"50")
+    + _part("doc", b"second", "b.txt")
+    + _part("qty", b"1")
+    + _part("doc", b"first", "a.txt")
+    + _part("_idempotency_key", b"k")
+    + b"--b0undary--\r\n"
+)
 
 GOLDEN = [
     (
@@ -241,6 +293,13 @@ GOLDEN = [
         {"data": {"b": "2", "a": "1", "_idempotency_key": "k"}},
         "9e7a824ea465682a91e3888aa2a99c71897ce8e0db67ae8960c4944a4b087e3f",
         "cd49fdd3779e9ef75f388b6d60ba4e0804ce843662035df9d1b0dfc66ae56b89",
+    ),
+    (  # a fp1 digest computed by the frozen copy, not by the code of 2026-11-24 itself
+        "/pay",
+        "POST",
+        {"data": MULTIPART, "content_type": "multipart/form-data; boundary=b0undary"},
+        "8c4d93457d4f1428ab5e023df249a474fb53a009c00e1a3e8bbef816e983d595",
+        "16c7b12840d0c9bc17219909f81625e7857717d5d0496a2daefc0635abc4157c",
     ),
     (
         "/nowhere",
@@ -384,7 +443,7 @@ QUERY = st.lists(st.tuples(NAMES, st.text(max_size=5)), max_size=5).map(urlencod
     body=st.one_of(
         json_bodies(),
         st.binary(max_size=300),
-        st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6)), max_size=5).map(
+        st.lists(st.tuples(NAMES, st.text(max_size=6)), max_size=5).map(
             lambda fields: urlencode([*fields, ("_idempotency_key", "k")]).encode()
         ),
     ),
@@ -399,7 +458,7 @@ def test_c6_the_fingerprint_is_the_frozen_one_for_any_request(
 
 
 def _values_by_name(req: Request, omit: frozenset[str]) -> dict[str, list[str]]:
-    return req.args.to_dict(flat=False)
+    return {"query": req.args.to_dict(flat=False), "form": req.form.to_dict(flat=False)}
 
 
 @settings(
@@ -408,23 +467,32 @@ def _values_by_name(req: Request, omit: frozenset[str]) -> dict[str, list[str]]:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(
+    where=st.sampled_from(["query", "form"]),
     items=st.lists(st.tuples(NAMES, st.text(max_size=4)), min_size=2, max_size=6),
     rnd=st.randoms(use_true_random=False),
 )
-def test_i26_1_c6_a_names_values_keep_their_order_the_names_do_not(
-    app: Flask, items: list[tuple[str, str]], rnd: random.Random
+def test_i26_1_2_c6_a_names_values_keep_their_order_the_names_do_not(
+    app: Flask, where: str, items: list[tuple[str, str]], rnd: random.Random
 ) -> None:
-    """The new difference: ``fp1`` merged every reordering of the query; ``fp2`` merges
-    exactly those that leave each name's values in their order."""
+    """The new difference: ``fp1`` merged every reordering of a query or a form;
+    ``fp2`` merges exactly those that leave each name's values in their order."""
     shuffled = list(items)
     rnd.shuffle(shuffled)
-    first, second = "/pay?" + urlencode(items), "/pay?" + urlencode(shuffled)
-    assert frozen(app, first, json={}) == frozen(app, second, json={})
+    requests = []
+    for order in (items, shuffled):
+        if where == "query":
+            requests.append(("/pay?" + urlencode(order), {"json": {}}))
+        else:
+            form = urlencode([*order, ("_idempotency_key", "k")]).encode()
+            requests.append(("/pay", {"data": form, "content_type": FORM}))
+    (first, first_kwargs), (second, second_kwargs) = requests
+    assert frozen(app, first, **first_kwargs) == frozen(app, second, **second_kwargs)
     read = [
-        compute_each(app, url, "POST", (_values_by_name,), json={})[0] for url in (first, second)
+        compute_each(app, url, "POST", (_values_by_name,), **kwargs)[0][where]
+        for url, kwargs in requests
     ]
-    same_values = read[0] == read[1]
-    assert (both(app, first, json={})[0] == both(app, second, json={})[0]) == same_values
+    same = both(app, first, **first_kwargs)[0] == both(app, second, **second_kwargs)[0]
+    assert same == (read[0] == read[1])
 
 
 @settings(max_examples=200, deadline=None)
