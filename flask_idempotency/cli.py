@@ -23,7 +23,7 @@ from flask import current_app
 from flask.cli import AppGroup
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from .fingerprint import ANONYMOUS_SCOPE, key_digest
+from .fingerprint import ANONYMOUS_SCOPE, key_digest, with_host
 from .keys import InvalidKey, parse_key
 from .maintenance import Maintenance, MaintenanceError, RecordView, TableMissing
 
@@ -262,6 +262,12 @@ def _record_options(command: F) -> F:
             help="Without a scope_loader: the request's Authorization header value.",
         ),
         click.option(
+            "--host",
+            default=None,
+            help="Without a scope_loader, on a route with a subdomain or a host: the"
+            " request's host (the default scope carries it).",
+        ),
+        click.option(
             "--digest",
             "by_digest",
             is_flag=True,
@@ -279,6 +285,7 @@ def _resolve_digest(
     scope: str | None,
     authorization: str | None,
     by_digest: bool,
+    host: str | None = None,
 ) -> str:
     """The digest the request path would give this (scope, key) (C5, C22)."""
     given = [
@@ -288,6 +295,11 @@ def _resolve_digest(
     ] + (["--digest"] if by_digest else [])
     if len(given) > 1:
         raise click.UsageError("Give at most one of --scope, --authorization and --digest.")
+    if host is not None and (scope is not None or by_digest):
+        raise click.UsageError(
+            "--host names a default scope (no scope_loader): it goes with --authorization"
+            " or alone, not with --scope or --digest."
+        )
     if by_digest:
         prefix = key.strip().lower()
         if len(prefix) < 8 or any(c not in "0123456789abcdef" for c in prefix):
@@ -313,6 +325,8 @@ def _resolve_digest(
         full_scope = "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
     else:
         full_scope = ANONYMOUS_SCOPE
+    if host is not None:
+        full_scope = with_host(full_scope, host)
     return key_digest(full_scope, parsed)
 
 
@@ -353,7 +367,12 @@ def _describe_record(record: RecordView) -> list[str]:
 @click.option("--body", "with_body", is_flag=True, help="Also print the stored response body.")
 @database_errors
 def show_command(
-    key: str, scope: str | None, authorization: str | None, by_digest: bool, with_body: bool
+    key: str,
+    scope: str | None,
+    authorization: str | None,
+    host: str | None,
+    by_digest: bool,
+    with_body: bool,
 ) -> None:
     """Show the record of an Idempotency-Key: state, times (UTC), status, body size.
 
@@ -362,7 +381,7 @@ def show_command(
     """
     maintenance = _maintenance()
     maintenance.require_table()
-    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest)
+    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest, host)
     record = maintenance.lookup(digest, with_body=with_body)
     if record is None:
         raise click.ClickException(f"no record for that key in this scope (digest {digest[:16]}).")
@@ -377,7 +396,12 @@ def show_command(
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @database_errors
 def forget_command(
-    key: str, scope: str | None, authorization: str | None, by_digest: bool, yes: bool
+    key: str,
+    scope: str | None,
+    authorization: str | None,
+    host: str | None,
+    by_digest: bool,
+    yes: bool,
 ) -> None:
     """Delete the record of an Idempotency-Key, whatever its state.
 
@@ -386,7 +410,7 @@ def forget_command(
     """
     maintenance = _maintenance()
     maintenance.require_table()
-    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest)
+    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest, host)
     record = maintenance.lookup(digest)
     if record is None:
         raise click.ClickException(f"no record for that key in this scope (digest {digest[:16]}).")

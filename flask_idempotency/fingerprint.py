@@ -66,9 +66,10 @@ _FINGERPRINT_HEAD = _frame(FINGERPRINT_VERSION)
 _NO_ARGS = _frame(b"{}") + _frame(b"[]")
 #: The body part is always a SHA-256 digest: its frame's length prefix is a constant.
 _BODY_DIGEST_LENGTH = (32).to_bytes(8, "big")
-#: Framed version, method and rule per (method, rule) of the app's routes; a route's
-#: fingerprint then costs one look-up for them. Bounded: only matched rules go in.
-_HEADS: dict[tuple[str, str], bytes] = {}
+#: Framed version, method, endpoint, rule path, subdomain and host per route (the
+#: tuple of those); a route's fingerprint then costs one look-up for them. Bounded:
+#: only matched rules go in.
+_HEADS: dict[tuple[str, str, str, str | None, str | None], bytes] = {}
 _HEADS_MAX = 4096
 #: ``Request.mimetype`` per ``Content-Type`` value (a pure function of it), bounded.
 _MIMETYPES: dict[str, str] = {}
@@ -101,17 +102,38 @@ def default_scope(request: Request, app: Flask | None = None) -> str:
     any client that guesses another's key could read its response. Register a
     ``scope_loader`` that names the tenant or user to avoid both.
 
+    On a route with a subdomain or a host (tenants served by host), the default
+    scope also carries the request's host (:func:`with_host`): user 5 of
+    ``acme.example.com`` and user 5 of ``globex.example.com`` are two owners.
+
     ``app``: the request's app, when the caller has it (saves a context look-up).
     """
+    request = _unproxied(request)
     user_id = _login_user_id(app)
     if user_id is not None:
-        return "user:" + user_id
-    # The environ entry ``headers.get("Authorization")`` reads, without building the
-    # request's header view for it.
-    authorization = _unproxied(request).environ.get("HTTP_AUTHORIZATION")
-    if not authorization:
-        return ANONYMOUS_SCOPE
-    return "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
+        scope = "user:" + user_id
+    else:
+        # The environ entry ``headers.get("Authorization")`` reads, without building
+        # the request's header view for it.
+        authorization = request.environ.get("HTTP_AUTHORIZATION")
+        if not authorization:
+            scope = ANONYMOUS_SCOPE
+        else:
+            scope = "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
+    rule = request.url_rule
+    if rule is not None and (rule.subdomain or rule.host):
+        return with_host(scope, request.host)
+    return scope
+
+
+def with_host(scope: str, host: str) -> str:
+    """A default scope on a route with a subdomain or a host: ``user:5@acme.example.com``.
+
+    The host is as routing matched it (lower case, no default port). A host never
+    holds ``@`` (Werkzeug accepts letters, digits, ``.``, ``-``, ``:`` and ``[]``),
+    so the last ``@`` always starts it.
+    """
+    return scope + "@" + host.lower()
 
 
 def _login_user_id(app: Flask | None = None) -> str | None:
@@ -153,9 +175,10 @@ def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozense
     body = hashlib.sha256()
     _hash_body(request, body, omit_fields)
     if url_rule is None:
-        head = _head(method, request.path)  # the client's path: never kept
+        head = _head((method, "", request.path, None, None))  # the client's path: never kept
     else:
-        head = _HEADS.get((method, url_rule.rule)) or _remember_head(method, url_rule.rule)
+        route = (method, url_rule.endpoint, url_rule.rule, url_rule.subdomain, url_rule.host)
+        head = _HEADS.get(route) or _remember_head(route)
     if not view_args and not query_string:
         args = _NO_ARGS  # what the two encoders give for no values and no query
     else:
@@ -169,14 +192,26 @@ def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozense
     return hashlib.sha256(b"".join((head, args, _BODY_DIGEST_LENGTH, body.digest()))).hexdigest()
 
 
-def _head(method: str, rule: str) -> bytes:
-    return _FINGERPRINT_HEAD + _frame(method.encode("ascii")) + _frame(rule.encode("utf-8"))
+def _head(route: tuple[str, str, str, str | None, str | None]) -> bytes:
+    """The framed version, method, endpoint, rule path, and the rule's subdomain and
+    host (C6): ``/orders`` on ``acme.example.com`` is not ``/orders`` on ``globex``."""
+    method, endpoint, rule, subdomain, host = route
+    return b"".join(
+        (
+            _FINGERPRINT_HEAD,
+            _frame(method.encode("ascii")),
+            _frame(endpoint.encode("utf-8")),
+            _frame(rule.encode("utf-8")),
+            _frame((subdomain or "").encode("utf-8")),
+            _frame((host or "").encode("utf-8")),
+        )
+    )
 
 
-def _remember_head(method: str, rule: str) -> bytes:
-    head = _head(method, rule)
+def _remember_head(route: tuple[str, str, str, str | None, str | None]) -> bytes:
+    head = _head(route)
     if len(_HEADS) < _HEADS_MAX:
-        _HEADS[method, rule] = head
+        _HEADS[route] = head
     return head
 
 

@@ -577,6 +577,46 @@ def test_c28_forget_asks_first_then_the_key_runs_again(
     assert missing.exit_code == 1 and "no record" in missing.output
 
 
+def test_i26_3_c28_show_names_a_default_scope_of_a_subdomain_route_by_its_host(
+    make_app: Any,
+) -> None:
+    """Issue 26 item 3: the default scope of a route with a subdomain carries the host,
+    so ``show`` and ``forget`` take it as ``--host``."""
+    app, _ = make_app({"SERVER_NAME": "example.com", "SECRET_KEY": "cli-test"})
+    app.subdomain_matching = True
+
+    @app.post("/orders", subdomain="<tenant>")
+    @idempotent
+    def orders(tenant: str) -> Any:
+        return jsonify(tenant=tenant), 201
+
+    client = app.test_client()
+    for headers in ({}, {"Authorization": "Bearer t0k"}):
+        answer = client.post(
+            "/orders",
+            base_url="http://ACME.example.com",
+            json={},
+            headers={"Idempotency-Key": "o-1", **headers},
+        )
+        assert answer.status_code == 201
+    runner = app.test_cli_runner()
+    show = ["idempotency", "show", "o-1"]
+    assert runner.invoke(args=show).exit_code == 1  # not the host-less anonymous scope
+    shown = runner.invoke(args=[*show, "--host", "acme.example.com"])
+    assert shown.exit_code == 0, shown.output
+    assert "scope          anonymous@acme.example.com" in shown.output
+    with_auth = [*show, "--host", "acme.example.com", "--authorization", "Bearer t0k"]
+    assert runner.invoke(args=with_auth).exit_code == 0
+    assert runner.invoke(args=[*show, "--host", "globex.example.com"]).exit_code == 1
+    for wrong in (["--scope", "acme"], ["--digest"]):
+        refused = runner.invoke(args=[*show, "--host", "acme.example.com", *wrong])
+        assert refused.exit_code == 2, refused.output
+    forgot = runner.invoke(
+        args=["idempotency", "forget", "o-1", "--host", "acme.example.com", "--yes"]
+    )
+    assert forgot.exit_code == 0 and "Forgot the record" in forgot.output
+
+
 def test_c28_forget_warns_about_a_request_in_flight(pg_app: Flask) -> None:
     digest = add_record(pg_app, state="in_progress", expires_in_ms=60_000, lease_in_ms=30_000)
     result = pg_app.test_cli_runner().invoke(

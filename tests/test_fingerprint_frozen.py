@@ -127,10 +127,22 @@ def reference_parts(req: Request, omit_fields: frozenset[str] = frozenset()) -> 
     - the version is ``fp2``;
     - query items are sorted by name only, stably (item 1): a repeated name keeps
       the order of its values;
-    - so are form fields, and uploads, each by name (item 2).
+    - so are form fields, and uploads, each by name (item 2);
+    - the endpoint, and the rule's subdomain and host, follow the method (item 3).
     """
-    parts = frozen_parts(req, omit_fields)
-    parts["version"] = b"fp2"
+    old = frozen_parts(req, omit_fields)
+    rule = req.url_rule
+    parts = {
+        "version": b"fp2",
+        "method": old["method"],
+        "endpoint": (rule.endpoint if rule is not None else "").encode("utf-8"),
+        "rule": old["rule"],
+        "subdomain": ((rule.subdomain if rule is not None else "") or "").encode("utf-8"),
+        "host": ((rule.host if rule is not None else "") or "").encode("utf-8"),
+        "view_args": old["view_args"],
+        "query": old["query"],
+        "body": old["body"],
+    }
     if req.query_string:
         items = sorted(req.args.items(multi=True), key=lambda item: item[0])
         parts["query"] = json.dumps(items, separators=(",", ":")).encode("utf-8")
@@ -218,6 +230,9 @@ def assert_fp1_parts_kept(app: Flask, path: str, method: str = "POST", **kwargs:
     assert new["version"] == b"fp2"
     for name in ("method", "rule", "view_args"):
         assert new[name] == old[name], name
+    # Item 3: an app that routes neither by subdomain nor by host adds the endpoint only.
+    if not (app.url_map.host_matching or app.subdomain_matching):
+        assert new["subdomain"] == new["host"] == b""
     # Item 1: the same query items, in the same order unless a name is repeated.
     assert sorted(json.loads(new["query"])) == json.loads(old["query"])
     if not repeated["query"]:
@@ -254,7 +269,7 @@ GOLDEN = [
             "content_type": "application/json",
         },
         "3169d76f50980b0544cdd2886edc409928031e6ccefc6a584624636761372be2",
-        "59bed1ebb732a9ec4d2d031a6ffc13650367ca0a4ec10330e80fdf2f2c8c83ef",
+        "b44317e625c9caa7aef723968461ca21e6ff05a3c4b0d00aa56e1e1a7c6c0500",
     ),
     (
         "/pay?b=2&a=1&a=0",
@@ -264,49 +279,49 @@ GOLDEN = [
             "content_type": "application/merge-patch+json",
         },
         "8e01901ce791e3b3048622f19ec6ced9747871e25e34f1f3253746bb9271a992",
-        "3ad79a0d1161e09f0a158a9631eee7a60f1316310634826f91e1778a4d5a2c68",
+        "35251e225e7896f254f1e9198d39ab3f47dd1686a2d984ca4d343c2438e71de0",
     ),
     (
         "/items/7",
         "POST",
         {"data": b"{not json", "content_type": "application/json; charset=utf-8"},
         "535849dded5a07908911ac024fc5864cf53826ffa0b424972ac74fcc0d09a86d",
-        "30da24d8a03bda68e2f2aabf19fac32ecbdf17b0263cde133b2262706f287a54",
+        "b3aa27fae7ea8cec98ea21a7668c83a08bdefabad257ce9316337fa8216cfa83",
     ),
     (
         "/items/7",
         "POST",
         {"data": '{"a":"é"}'.encode("utf-16"), "content_type": "application/json"},
         "eebd82b6ce9e00dc91b6bffc1171043c3b08880df59bda4cba261ed6a94f39de",
-        "0adc60aa8507129dde364b27061714f7870f2c19ff221f3e417709eb8c1e2bed",
+        "4386fb89b105cbc75df34669b259b57360a4dfe8c3f5157f76505f44096bde1a",
     ),
     (
         "/pay",
         "POST",
         {"data": bytes(range(256)), "content_type": "application/octet-stream"},
         "6bf50749bbde0c6e606374e76d8f4f320f60e296b8b6eac146c1847345491989",
-        "5b8feb77d1fb02df02001873656f1e31ac1f497e16665f6c3d1e12e520176e4a",
+        "6be5880f18c0b4be8502d5377b1c55847f404aa178bee3a05a55fa2b3e6332c0",
     ),
     (
         "/pay",
         "POST",
         {"data": {"b": "2", "a": "1", "_idempotency_key": "k"}},
         "9e7a824ea465682a91e3888aa2a99c71897ce8e0db67ae8960c4944a4b087e3f",
-        "cd49fdd3779e9ef75f388b6d60ba4e0804ce843662035df9d1b0dfc66ae56b89",
+        "ef458ee75470bdc661b594cf3dc073cc5ea041143cbb84e7c1782c11096525d3",
     ),
     (  # a fp1 digest computed by the frozen copy, not by the code of 2026-11-24 itself
         "/pay",
         "POST",
         {"data": MULTIPART, "content_type": "multipart/form-data; boundary=b0undary"},
         "8c4d93457d4f1428ab5e023df249a474fb53a009c00e1a3e8bbef816e983d595",
-        "16c7b12840d0c9bc17219909f81625e7857717d5d0496a2daefc0635abc4157c",
+        "a59c2818ac5eefd78fc75cb84287bbbb3e3d99e90de14b5586731b427e0e498b",
     ),
     (
         "/nowhere",
         "POST",
         {"data": b"[1,2]", "content_type": "application/json"},
         "35567820055291dd1340e419ae89878e56f85676b1ba163cc40ec8b6612a2508",
-        "4fc3e39aa520191314fe6f26639d1cbe2dfafb74d3b71a0b8084e3f56d48bde0",
+        "29158fa4c9a8e608a0cfb369e59705d2f9893686c202606a216c62fcf63097ea",
     ),
 ]
 
@@ -493,6 +508,46 @@ def test_i26_1_2_c6_a_names_values_keep_their_order_the_names_do_not(
     ]
     same = both(app, first, **first_kwargs)[0] == both(app, second, **second_kwargs)[0]
     assert same == (read[0] == read[1])
+
+
+def make_tenants_app(by: str) -> Flask:
+    """``/orders`` and ``/orders/<int:n>`` for two tenants, by subdomain or by host."""
+    app = Flask("fingerprint_tenants")
+    if by == "subdomain":
+        app.config["SERVER_NAME"] = "example.com"
+        app.subdomain_matching = True
+    else:
+        app.url_map.host_matching = True
+    for tenant in ("acme", "globex"):
+        where = {"subdomain": tenant} if by == "subdomain" else {"host": f"{tenant}.example.com"}
+        app.add_url_rule("/orders", f"{tenant}_orders", lambda: "", methods=["POST"], **where)
+        app.add_url_rule(
+            "/orders/<int:n>", f"{tenant}_order", lambda n: "", methods=["POST"], **where
+        )
+    return app
+
+
+@pytest.mark.parametrize("by", ["subdomain", "host"])
+@pytest.mark.parametrize("path", ["/orders", "/orders/7?a=2&a=1"])
+def test_i26_3_c6_tenants_routes_differ_only_by_the_new_parts(by: str, path: str) -> None:
+    """The new difference: the same request to two tenants' routes had one ``fp1``; its
+    ``fp2`` differs, by the endpoint and the subdomain or host parts alone."""
+    app = make_tenants_app(by)
+    kwargs: dict[str, Any] = {"json": {"b": 1, "a": [1, 2]}}
+    prints: dict[str, tuple[str, str, str]] = {}
+    parts: dict[str, dict[str, bytes]] = {}
+    for tenant in ("acme", "globex"):
+        base_url = f"http://{tenant}.example.com"
+        new, reference = both(app, path, base_url=base_url, **kwargs)
+        assert new == reference
+        assert_fp1_parts_kept(app, path, base_url=base_url, **kwargs)
+        prints[tenant] = (new, frozen(app, path, base_url=base_url, **kwargs), reference)
+        with app.test_request_context(path, method="POST", base_url=base_url, **kwargs):
+            parts[tenant] = reference_parts(request, OMIT)
+    assert prints["acme"][1] == prints["globex"][1]  # fp1: one request
+    assert prints["acme"][0] != prints["globex"][0]  # fp2: two
+    changed = {name for name in parts["acme"] if parts["acme"][name] != parts["globex"][name]}
+    assert changed == {"endpoint", by}
 
 
 @settings(max_examples=200, deadline=None)

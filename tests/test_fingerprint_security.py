@@ -151,3 +151,127 @@ def test_i26_2_c7_swapped_uploads_are_422_not_a_replay(counted: Any) -> None:
     again = client.post("/pay", data=uploads(one, two), headers=headers)
     assert again.headers.get(REPLAYED) == "true"
     assert len(calls) == 1
+
+
+# -- item 3: the endpoint and the rule's subdomain or host ---------------------------------
+
+TENANTS = ("acme", "globex")
+
+
+def _tenant_view(tenant: str, calls: list[str]) -> Any:
+    def orders() -> Any:
+        calls.append(tenant)
+        return jsonify(tenant=tenant, secret=f"{tenant}-ledger-only"), 201
+
+    orders.__name__ = f"{tenant}_orders"
+    return idempotent(orders)
+
+
+def _subdomain_routes(app: Flask, calls: list[str]) -> None:
+    """``/orders`` once per tenant, each on its own subdomain of ``example.com``."""
+    app.config["SERVER_NAME"] = "example.com"
+    app.subdomain_matching = True
+    for tenant in TENANTS:
+        app.add_url_rule(
+            "/orders", view_func=_tenant_view(tenant, calls), methods=["POST"], subdomain=tenant
+        )
+
+
+def _host_routes(app: Flask, calls: list[str]) -> None:
+    """``/orders`` once per tenant, each on its own host (``host_matching``)."""
+    app.url_map.host_matching = True
+    for tenant in TENANTS:
+        app.add_url_rule(
+            "/orders",
+            view_func=_tenant_view(tenant, calls),
+            methods=["POST"],
+            host=f"{tenant}.example.com",
+        )
+
+
+@pytest.mark.parametrize("routes", [_subdomain_routes, _host_routes])
+def test_i26_3_c6_the_rules_subdomain_or_host_and_endpoint_are_fingerprinted(routes: Any) -> None:
+    app = Flask("tenants")
+    routes(app, [])
+    prints = {}
+    for tenant in TENANTS:
+        base_url = f"http://{tenant}.example.com"
+        with app.test_request_context("/orders", base_url=base_url, method="POST", json={}):
+            assert request.url_rule is not None and request.url_rule.rule == "/orders"
+            prints[tenant] = request_fingerprint(request)
+    assert prints["acme"] != prints["globex"]
+
+
+def test_i26_3_c6_the_endpoint_is_fingerprinted() -> None:
+    """The same method, path and body to two endpoints (two apps, or two versions of
+    one, sharing a table) are two requests."""
+    prints = []
+    for endpoint in ("orders.create", "billing.charge"):
+        app = Flask("endpoints")
+        app.add_url_rule("/orders", endpoint, lambda: "", methods=["POST"])
+        with app.test_request_context("/orders", method="POST", json={"n": 1}):
+            prints.append(request_fingerprint(request))
+    assert prints[0] != prints[1]
+
+
+def _login_user_5(app: Flask) -> None:
+    """Flask-Login with per-tenant user ids: the token ``t`` is user 5 in every tenant."""
+    from flask_login import LoginManager, UserMixin
+
+    class User(UserMixin):
+        id = "5"
+
+    login = LoginManager(app)
+    login.request_loader(lambda req: User() if req.headers.get("Authorization") == "t" else None)
+
+
+@pytest.mark.parametrize("routes", [_subdomain_routes, _host_routes])
+def test_i26_3_c5_c7_a_tenants_stored_answer_never_reaches_another_tenant(
+    make_app: Any, routes: Any
+) -> None:
+    """The issue's case: user 5 of acme and user 5 of globex send one key to ``/orders``.
+
+    The default scope (``user:5``) carries the host of a host or subdomain route, so
+    the tenants' keys are independent (C5): globex's view runs and answers globex's
+    data; before, globex got acme's stored answer.
+    """
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0, "SECRET_KEY": "test"})
+    calls: list[str] = []
+    routes(app, calls)
+    _login_user_5(app)
+    client = app.test_client()
+    headers = {"Idempotency-Key": "order-1", "Authorization": "t"}
+    answers = {
+        tenant: client.post(
+            "/orders", base_url=f"http://{tenant}.example.com", json={"n": 1}, headers=headers
+        )
+        for tenant in TENANTS
+    }
+    for tenant, answer in answers.items():
+        assert answer.status_code == 201, answer.data
+        assert answer.json["tenant"] == tenant
+        assert REPLAYED not in answer.headers
+    assert calls == ["acme", "globex"]
+    again = client.post(
+        "/orders", base_url="http://globex.example.com", json={"n": 1}, headers=headers
+    )
+    assert again.headers.get(REPLAYED) == "true" and again.json["tenant"] == "globex"
+
+
+@pytest.mark.parametrize("routes", [_subdomain_routes, _host_routes])
+def test_i26_3_c7_a_scope_shared_across_tenants_is_422_never_the_other_tenants_answer(
+    make_app: Any, routes: Any
+) -> None:
+    """A scope_loader that forgets the tenant (the same scope in both) gets 422 (C7)."""
+    app, ext = make_app({"IDEMPOTENCY_WAIT": 0})
+    ext.scope_loader(lambda: "user-5")
+    calls: list[str] = []
+    routes(app, calls)
+    client = app.test_client()
+    headers = {"Idempotency-Key": "order-1"}
+    first = client.post("/orders", base_url="http://acme.example.com", json={}, headers=headers)
+    assert first.status_code == 201
+    second = client.post("/orders", base_url="http://globex.example.com", json={}, headers=headers)
+    assert second.status_code == 422, second.data
+    assert b"acme" not in second.data
+    assert calls == ["acme"]
