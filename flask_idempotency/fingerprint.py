@@ -1,12 +1,13 @@
 """What makes two requests "the same request" (CONTRACT C5–C7, C31).
 
-The fingerprint is SHA-256 over the method, the URL rule with its values, the
-query string and a canonical body: JSON with sorted keys and no insignificant
-whitespace, forms as fields, anything else as raw bytes. Query items and form
-fields are sorted by name only, stably: the order of names does not matter, the
-order of a repeated name's values does, as it does to ``request.args["a"]``.
-Each part is length-prefixed so that no two different requests can run together
-into the same byte string.
+The fingerprint is SHA-256 over the method, the endpoint and its URL rule (the
+path with its values, and the rule's subdomain or host), the media type of the
+body, the query string and a canonical body: JSON with sorted keys and no
+insignificant whitespace, forms as fields, anything else as raw bytes. Query
+items and form fields are sorted by name only, stably: the order of names does
+not matter, the order of a repeated name's values does, as it does to
+``request.args["a"]``. Each part is length-prefixed so that no two different
+requests can run together into the same byte string.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from werkzeug.local import LocalProxy
 from werkzeug.wsgi import LimitedStream
 
 #: Bumped whenever the canonical form changes, so old records never match by accident.
-#: ``fp2`` (issue 26): a repeated query name, form field or upload keeps its values' order.
+#: ``fp2`` (issue 26): a repeated query name, form field or upload keeps its values'
+#: order; the endpoint, the rule's subdomain and host, and the media type are parts.
 FINGERPRINT_VERSION = b"fp2"
 ANONYMOUS_SCOPE = "anonymous"
 _CHUNK = 64 * 1024
@@ -71,8 +73,9 @@ _BODY_DIGEST_LENGTH = (32).to_bytes(8, "big")
 #: only matched rules go in.
 _HEADS: dict[tuple[str, str, str, str | None, str | None], bytes] = {}
 _HEADS_MAX = 4096
-#: ``Request.mimetype`` per ``Content-Type`` value (a pure function of it), bounded.
-_MIMETYPES: dict[str, str] = {}
+#: ``Request.mimetype`` and its framed bytes per ``Content-Type`` value (a pure
+#: function of it), bounded.
+_MIMETYPES: dict[str, tuple[str, bytes]] = {}
 _MIMETYPES_MAX = 256
 
 
@@ -156,15 +159,17 @@ def _login_user_id(app: Flask | None = None) -> str | None:
 
 
 def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozenset()) -> str:
-    """SHA-256 over method, route, query and canonical body, as hex (C6).
+    """SHA-256 over method, route, media type, query and canonical body, as hex (C6).
 
     ``omit_fields``: form fields that say nothing about the request itself (the
     form's idempotency key and CSRF token, C49), left out of a form body.
 
     The digest's input is the framed parts (see :func:`_digest`) of the version,
-    the method, the rule, the URL values as JSON, the query as JSON (sorted by name,
-    each name's values in their order) and the body's own SHA-256. Every replay
-    computes it, so the parts that are the same for a route are framed once (issue 11).
+    the method, the endpoint, the rule's path, subdomain and host, the media type,
+    the URL values as JSON, the query as JSON (sorted by name, each name's values
+    in their order) and the body's own SHA-256. Every replay computes it, so the
+    parts that are the same for a route, or for a ``Content-Type``, are framed once
+    (issue 11).
     """
     if isinstance(request, LocalProxy):
         request = request._get_current_object()
@@ -172,8 +177,9 @@ def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozense
     url_rule = request.url_rule
     view_args = request.view_args
     query_string = request.query_string
+    mimetype, media = _media_type(request)
     body = hashlib.sha256()
-    _hash_body(request, body, omit_fields)
+    _hash_body(request, mimetype, body, omit_fields)
     if url_rule is None:
         head = _head((method, "", request.path, None, None))  # the client's path: never kept
     else:
@@ -189,7 +195,9 @@ def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozense
             else "[]"
         )
         args = _frame(values.encode("utf-8")) + _frame(query.encode("utf-8"))
-    return hashlib.sha256(b"".join((head, args, _BODY_DIGEST_LENGTH, body.digest()))).hexdigest()
+    return hashlib.sha256(
+        b"".join((head, media, args, _BODY_DIGEST_LENGTH, body.digest()))
+    ).hexdigest()
 
 
 def _head(route: tuple[str, str, str, str | None, str | None]) -> bytes:
@@ -215,19 +223,23 @@ def _remember_head(route: tuple[str, str, str, str | None, str | None]) -> bytes
     return head
 
 
-def _mimetype(request: Request) -> str:
-    """``request.mimetype``, which parses ``Content-Type`` again on every read.
+def _media_type(request: Request) -> tuple[str, bytes]:
+    """``request.mimetype``, and it framed for the digest (C6).
 
-    Werkzeug derives it from the ``Content-Type`` value alone, so it is remembered
-    per value (the few an app sees; a bounded number of them).
+    The media type without its parameters, in lower case: ``application/json;
+    charset=utf-8`` is ``application/json``, and a multipart boundary does not
+    count. ``request.mimetype`` parses ``Content-Type`` again on every read;
+    Werkzeug derives it from the ``Content-Type`` value alone, so both are
+    remembered per value (the few an app sees; a bounded number of them).
     """
     content_type = request.environ.get("CONTENT_TYPE", "")
-    mimetype = _MIMETYPES.get(content_type) if type(content_type) is str else None
-    if mimetype is None:
+    known = _MIMETYPES.get(content_type) if type(content_type) is str else None
+    if known is None:
         mimetype = request.mimetype
+        known = (mimetype, _frame(mimetype.encode("utf-8", "surrogatepass")))
         if type(content_type) is str and len(_MIMETYPES) < _MIMETYPES_MAX:
-            _MIMETYPES[content_type] = mimetype
-    return mimetype
+            _MIMETYPES[content_type] = known
+    return known
 
 
 def _read_body(request: Request) -> bytes:
@@ -259,8 +271,9 @@ def _read_body(request: Request) -> bytes:
     return data
 
 
-def _hash_body(request: Request, body: Any, omit_fields: frozenset[str] = frozenset()) -> None:
-    mimetype = _mimetype(request)
+def _hash_body(
+    request: Request, mimetype: str, body: Any, omit_fields: frozenset[str] = frozenset()
+) -> None:
     if mimetype == "application/json" or mimetype.endswith("+json"):
         data = _read_body(request)
         canonical = _canonical_json(data)

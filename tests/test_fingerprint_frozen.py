@@ -128,7 +128,8 @@ def reference_parts(req: Request, omit_fields: frozenset[str] = frozenset()) -> 
     - query items are sorted by name only, stably (item 1): a repeated name keeps
       the order of its values;
     - so are form fields, and uploads, each by name (item 2);
-    - the endpoint, and the rule's subdomain and host, follow the method (item 3).
+    - the endpoint, and the rule's subdomain and host, follow the method (item 3);
+    - the media type (``request.mimetype``: no parameters, lower case) follows (item 4).
     """
     old = frozen_parts(req, omit_fields)
     rule = req.url_rule
@@ -139,6 +140,7 @@ def reference_parts(req: Request, omit_fields: frozenset[str] = frozenset()) -> 
         "rule": old["rule"],
         "subdomain": ((rule.subdomain if rule is not None else "") or "").encode("utf-8"),
         "host": ((rule.host if rule is not None else "") or "").encode("utf-8"),
+        "media_type": req.mimetype.encode("utf-8"),
         "view_args": old["view_args"],
         "query": old["query"],
         "body": old["body"],
@@ -269,7 +271,7 @@ GOLDEN = [
             "content_type": "application/json",
         },
         "3169d76f50980b0544cdd2886edc409928031e6ccefc6a584624636761372be2",
-        "b44317e625c9caa7aef723968461ca21e6ff05a3c4b0d00aa56e1e1a7c6c0500",
+        "256660dfbda95c5b381e8132dba6356c28a666bbb7cd5e4f0a037a0e25e76cb5",
     ),
     (
         "/pay?b=2&a=1&a=0",
@@ -279,49 +281,49 @@ GOLDEN = [
             "content_type": "application/merge-patch+json",
         },
         "8e01901ce791e3b3048622f19ec6ced9747871e25e34f1f3253746bb9271a992",
-        "35251e225e7896f254f1e9198d39ab3f47dd1686a2d984ca4d343c2438e71de0",
+        "dba7ff19244fa5a6811a55cedae4fa715c595e1d4dc5122fdbb51a01f1f8baad",
     ),
     (
         "/items/7",
         "POST",
         {"data": b"{not json", "content_type": "application/json; charset=utf-8"},
         "535849dded5a07908911ac024fc5864cf53826ffa0b424972ac74fcc0d09a86d",
-        "b3aa27fae7ea8cec98ea21a7668c83a08bdefabad257ce9316337fa8216cfa83",
+        "b16c9880c418b0b26215a599f147bcbd3525d28d930516060b5be557791901ee",
     ),
     (
         "/items/7",
         "POST",
         {"data": '{"a":"é"}'.encode("utf-16"), "content_type": "application/json"},
         "eebd82b6ce9e00dc91b6bffc1171043c3b08880df59bda4cba261ed6a94f39de",
-        "4386fb89b105cbc75df34669b259b57360a4dfe8c3f5157f76505f44096bde1a",
+        "56d91d4cf9731950259afb2784e3f19950c50febf1979cba30f29a7eb9a04116",
     ),
     (
         "/pay",
         "POST",
         {"data": bytes(range(256)), "content_type": "application/octet-stream"},
         "6bf50749bbde0c6e606374e76d8f4f320f60e296b8b6eac146c1847345491989",
-        "6be5880f18c0b4be8502d5377b1c55847f404aa178bee3a05a55fa2b3e6332c0",
+        "a9b9ea0ca793b42d65158fe4e8515dc3ec4053269b66614b7bd4f0b190109e69",
     ),
     (
         "/pay",
         "POST",
         {"data": {"b": "2", "a": "1", "_idempotency_key": "k"}},
         "9e7a824ea465682a91e3888aa2a99c71897ce8e0db67ae8960c4944a4b087e3f",
-        "ef458ee75470bdc661b594cf3dc073cc5ea041143cbb84e7c1782c11096525d3",
+        "b707bd553a5e2e0b1f19adacb8ec8cb2827664422a359817619212184b994510",
     ),
     (  # a fp1 digest computed by the frozen copy, not by the code of 2026-11-24 itself
         "/pay",
         "POST",
         {"data": MULTIPART, "content_type": "multipart/form-data; boundary=b0undary"},
         "8c4d93457d4f1428ab5e023df249a474fb53a009c00e1a3e8bbef816e983d595",
-        "a59c2818ac5eefd78fc75cb84287bbbb3e3d99e90de14b5586731b427e0e498b",
+        "0a18db02f51af7efa6751ec90bf7697c4293b8285d1be5e609e2ea30a3a797f2",
     ),
     (
         "/nowhere",
         "POST",
         {"data": b"[1,2]", "content_type": "application/json"},
         "35567820055291dd1340e419ae89878e56f85676b1ba163cc40ec8b6612a2508",
-        "29158fa4c9a8e608a0cfb369e59705d2f9893686c202606a216c62fcf63097ea",
+        "9a7b36a88fe2bafdc644a8d720edeb3c28c550d1b90348c4df077b92226daa6c",
     ),
 ]
 
@@ -435,7 +437,12 @@ CONTENT_TYPES = [
     "Application/JSON",
     "application/problem+json",
     " application/json ;x=y",
+    "application/merge-patch+json",
+    "application/json-patch+json",
     "text/plain",
+    "text/csv",
+    "text/csv; charset=latin-1",
+    "application/xml",
     "application/octet-stream",
     "application/x-www-form-urlencoded",
     "",
@@ -508,6 +515,26 @@ def test_i26_1_2_c6_a_names_values_keep_their_order_the_names_do_not(
     ]
     same = both(app, first, **first_kwargs)[0] == both(app, second, **second_kwargs)[0]
     assert same == (read[0] == read[1])
+
+
+def _mimetype(req: Request, omit: frozenset[str]) -> str:
+    return req.mimetype
+
+
+@pytest.mark.parametrize("body", [b'[{"b": 1, "a": 2}]', b"a,b\n1,2\n", b"a=1&b=2"])
+def test_i26_4_c6_the_media_type_refines_fp1_and_nothing_else(app: Flask, body: bytes) -> None:
+    """The new difference: two content types give one ``fp2`` exactly when they gave
+    one ``fp1`` and name one media type (parameters and case never counted)."""
+    seen = {}
+    for content_type in CONTENT_TYPES:
+        kwargs = {"data": body, "content_type": content_type}
+        new, reference = both(app, "/pay", **kwargs)
+        assert new == reference
+        mimetype = compute_each(app, "/pay", "POST", (_mimetype,), **kwargs)[0]
+        seen[content_type] = (new, frozen(app, "/pay", **kwargs), mimetype)
+    for first, (new_a, old_a, type_a) in seen.items():
+        for second, (new_b, old_b, type_b) in seen.items():
+            assert (new_a == new_b) == (old_a == old_b and type_a == type_b), (first, second)
 
 
 def make_tenants_app(by: str) -> Flask:

@@ -275,3 +275,65 @@ def test_i26_3_c7_a_scope_shared_across_tenants_is_422_never_the_other_tenants_a
     assert second.status_code == 422, second.data
     assert b"acme" not in second.data
     assert calls == ["acme"]
+
+
+# -- item 4: the media type -------------------------------------------------------------------
+
+JSON_PATCH = b'[{"op": "replace", "path": "/amount", "value": 5}]'
+
+
+@pytest.mark.parametrize(
+    ("body", "first", "second"),
+    [
+        (JSON_PATCH, "application/json-patch+json", "application/merge-patch+json"),
+        (b'{"amount": 5}', "application/json", "application/merge-patch+json"),
+        (b"a,b\n1,2\n", "text/csv", "application/xml"),
+        (b"a,b\n1,2\n", "text/csv", "text/plain"),
+        (b"", "application/octet-stream", ""),
+    ],
+)
+def test_i26_4_c6_the_media_type_is_fingerprinted(
+    fp_app: Flask, body: bytes, first: str, second: str
+) -> None:
+    assert fp(fp_app, data=body, content_type=first) != fp(fp_app, data=body, content_type=second)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["application/json; charset=utf-8", "Application/JSON", " application/json ;x=y"],
+)
+def test_i26_4_c6_media_type_parameters_and_case_do_not_count(fp_app: Flask, variant: str) -> None:
+    """As before: the media type without its parameters, in lower case."""
+    body = b'{"amount": 5}'
+    assert fp(fp_app, data=body, content_type=variant) == fp(
+        fp_app, data=body, content_type="application/json"
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "first", "second"),
+    [
+        (JSON_PATCH, "application/json-patch+json", "application/merge-patch+json"),
+        (b"a,b\n1,2\n", "text/csv", "application/xml"),
+    ],
+)
+def test_i26_4_c7_the_same_bytes_as_another_media_type_are_422(
+    make_app: Any, body: bytes, first: str, second: str
+) -> None:
+    """C7: a JSON Patch and a merge patch of the same bytes do different things."""
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    calls: list[str] = []
+
+    @app.route("/doc", methods=["PATCH"])
+    @idempotent
+    def patch() -> Any:
+        calls.append(request.mimetype)
+        return jsonify(applied_as=request.mimetype), 200
+
+    client = app.test_client()
+    headers = {"Idempotency-Key": "k-media"}
+    assert client.patch("/doc", data=body, content_type=first, headers=headers).status_code == 200
+    second_answer = client.patch("/doc", data=body, content_type=second, headers=headers)
+    assert second_answer.status_code == 422, second_answer.data
+    assert REPLAYED not in second_answer.headers
+    assert calls == [first]
