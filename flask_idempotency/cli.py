@@ -9,7 +9,6 @@ of (scope, key), so the operator gives the raw key and the scope it was sent in.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import sys
 import time
@@ -23,7 +22,7 @@ from flask import current_app
 from flask.cli import AppGroup
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from .fingerprint import ANONYMOUS_SCOPE, key_digest, with_host
+from .fingerprint import ANONYMOUS_SCOPE, authorization_scope, key_digest, with_host
 from .keys import InvalidKey, parse_key
 from .maintenance import Maintenance, MaintenanceError, RecordView, TableMissing
 
@@ -259,7 +258,8 @@ def _record_options(command: F) -> F:
         click.option(
             "--authorization",
             default=None,
-            help="Without a scope_loader: the request's Authorization header value.",
+            help="Without a scope_loader: the request's Authorization header value; '-'"
+            " asks for it (hidden) or reads it from stdin, out of the shell's history.",
         ),
         click.option(
             "--host",
@@ -322,12 +322,29 @@ def _resolve_digest(
     if scope is not None:
         full_scope = "scope:" + scope
     elif authorization is not None:
-        full_scope = "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
+        if authorization == "-":
+            authorization = _read_authorization()
+        try:
+            full_scope = authorization_scope(authorization, current_app)
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
     else:
         full_scope = ANONYMOUS_SCOPE
     if host is not None:
         full_scope = with_host(full_scope, host)
     return key_digest(full_scope, parsed)
+
+
+def _read_authorization() -> str:
+    """The header value for ``--authorization -``: asked for, unechoed, on a terminal;
+    else the first line of stdin. Either way it never lands in the shell's history."""
+    if sys.stdin.isatty():
+        value: str = click.prompt("Authorization header", hide_input=True, err=True)
+    else:
+        value = sys.stdin.readline().rstrip("\r\n")
+    if not value:
+        raise click.BadParameter("no header value was given.", param_hint="--authorization")
+    return value
 
 
 def _describe_record(record: RecordView) -> list[str]:

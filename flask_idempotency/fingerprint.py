@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import json
 import operator
 import sys
@@ -30,6 +31,16 @@ from werkzeug.wsgi import LimitedStream
 #: order; the endpoint, the rule's subdomain and host, and the media type are parts.
 FINGERPRINT_VERSION = b"fp2"
 ANONYMOUS_SCOPE = "anonymous"
+#: The default scope of a request with an ``Authorization`` header: this, then the
+#: header's HMAC-SHA256 under the scope key, as hex (C30, C46). (Records written before
+#: issue 26 hold ``auth:`` and the header's unkeyed SHA-256.)
+AUTHORIZATION_SCOPE_PREFIX = "auth-hmac:"
+#: What the scope key is derived from a secret for: the secret itself is never the key,
+#: so the scope digests are no HMAC that any other use of ``SECRET_KEY`` computes.
+_SCOPE_KEY_PURPOSE = b"flask-idempotency scope key v1"
+#: The scope key per secret (the few an app process has), derived once.
+_SCOPE_KEYS: dict[str | bytes, bytes] = {}
+_SCOPE_KEYS_MAX = 16
 _CHUNK = 64 * 1024
 #: Raw bodies up to this size are hashed in memory; larger ones spill to disk.
 _SPOOL_IN_MEMORY = 1024 * 1024
@@ -99,9 +110,10 @@ def key_digest(scope: str, key: str) -> str:
 def default_scope(request: Request, app: Flask | None = None) -> str:
     """Scope when no ``scope_loader`` is registered (C46).
 
-    The Flask-Login user when one is logged in; else a digest of
-    ``Authorization``, which changes when a client refreshes its token, so a retry
-    after a refresh is a new request; else the shared scope ``anonymous``, where
+    The Flask-Login user when one is logged in; else a keyed digest of
+    ``Authorization`` (:func:`authorization_scope`), which changes when a client
+    refreshes its token, so a retry after a refresh is a new request; else the
+    shared scope ``anonymous``, where
     any client that guesses another's key could read its response. Register a
     ``scope_loader`` that names the tenant or user to avoid both.
 
@@ -122,11 +134,48 @@ def default_scope(request: Request, app: Flask | None = None) -> str:
         if not authorization:
             scope = ANONYMOUS_SCOPE
         else:
-            scope = "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
+            scope = authorization_scope(authorization, current_app if app is None else app)
     rule = request.url_rule
     if rule is not None and (rule.subdomain or rule.host):
         return with_host(scope, request.host)
     return scope
+
+
+def authorization_scope(authorization: str, app: Flask) -> str:
+    """The default scope of a request with this ``Authorization`` header (C30, C46).
+
+    An HMAC-SHA256 of the header under a key derived from ``IDEMPOTENCY_SCOPE_SECRET``,
+    else the app's ``SECRET_KEY``: the scope is stored, printed by ``flask idempotency
+    show`` and sent with every signal, and an unkeyed digest of a Basic-auth header
+    or a short token gives its secret to a wordlist. Raises ``RuntimeError`` when
+    neither secret is set: no request is scoped by a guessable digest.
+    """
+    digest = hmac.digest(_scope_key(app), authorization.encode("latin-1"), "sha256")
+    return AUTHORIZATION_SCOPE_PREFIX + digest.hex()
+
+
+def _scope_key(app: Flask) -> bytes:
+    state = app.extensions.get("idempotency")
+    if state is not None:
+        secret = state.settings.scope_secret
+    else:  # a bare app (tests of the fingerprint alone): the same settings, unchecked
+        secret = app.config.get("IDEMPOTENCY_SCOPE_SECRET")
+    if secret is None:
+        secret = app.config.get("SECRET_KEY")
+    if not secret or not isinstance(secret, (str, bytes)):
+        raise RuntimeError(
+            "Flask-Idempotency: this request is scoped by its Authorization header (no"
+            " scope_loader, no logged-in Flask-Login user), and that scope is an HMAC of"
+            " the header: set IDEMPOTENCY_SCOPE_SECRET or the app's SECRET_KEY, or"
+            " register @idempotency.scope_loader returning the tenant or user id."
+        )
+    key = _SCOPE_KEYS.get(secret)
+    if key is None:
+        raw = secret.encode("utf-8") if isinstance(secret, str) else secret
+        key = hmac.digest(raw, _SCOPE_KEY_PURPOSE, "sha256")
+        if len(_SCOPE_KEYS) < _SCOPE_KEYS_MAX:
+            _SCOPE_KEYS[secret] = key
+    return key
 
 
 def with_host(scope: str, host: str) -> str:

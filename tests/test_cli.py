@@ -455,7 +455,7 @@ def test_c28_stats_counts_records_by_state(pg_app: Flask) -> None:
 @pytest.fixture
 def payments_app(make_pg_app: Any) -> tuple[Flask, list[int]]:
     """A protected view whose scope is the ``X-Tenant`` header, and a count of its runs."""
-    app, ext = make_pg_app()
+    app, ext = make_pg_app({"SECRET_KEY": "cli-tests"})
     calls: list[int] = []
 
     @ext.scope_loader
@@ -518,7 +518,36 @@ def test_c28_show_default_scopes(payments_app: tuple[Flask, list[int]]) -> None:
     assert runner.invoke(args=["idempotency", "show", "auth-1"]).exit_code == 1
     shown = runner.invoke(args=["idempotency", "show", "auth-1", "--authorization", "Bearer t0k"])
     assert shown.exit_code == 0, shown.output
-    assert "scope          auth:" in shown.output
+    assert "scope          auth-hmac:" in shown.output
+    assert "t0k" not in shown.output
+
+
+def test_i26_5_c30_show_reads_the_authorization_header_off_the_command_line(
+    payments_app: tuple[Flask, list[int]],
+) -> None:
+    """``--authorization -`` reads the header from stdin (or a hidden prompt), so the
+    credential stays out of the shell's history and the process list."""
+    app, _ = payments_app
+    app.test_client().post(
+        "/pay", json={"a": 3}, headers={"Idempotency-Key": "auth-2", "Authorization": "Bearer s3"}
+    )
+    runner = app.test_cli_runner()
+    shown = runner.invoke(
+        args=["idempotency", "show", "auth-2", "--authorization", "-"], input="Bearer s3\n"
+    )
+    assert shown.exit_code == 0, shown.output
+    assert "scope          auth-hmac:" in shown.output and "Bearer s3" not in shown.output
+    empty = runner.invoke(args=["idempotency", "show", "auth-2", "--authorization", "-"], input="")
+    assert empty.exit_code == 2
+
+
+def test_i26_5_c30_show_without_a_scope_secret_says_what_to_set(make_app: Any) -> None:
+    app, _ = make_app()
+    result = app.test_cli_runner().invoke(
+        args=["idempotency", "show", "k", "--authorization", "Bearer x"]
+    )
+    assert result.exit_code == 1
+    assert "IDEMPOTENCY_SCOPE_SECRET" in result.output and "SECRET_KEY" in result.output
 
 
 def test_c28_show_and_forget_reject_bad_arguments(payments_app: tuple[Flask, list[int]]) -> None:

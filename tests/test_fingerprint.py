@@ -28,6 +28,7 @@ from flask_idempotency.fingerprint import (
 @pytest.fixture(scope="module")
 def fp_app() -> Flask:
     app = Flask("fingerprint_test")
+    app.config["SECRET_KEY"] = "fingerprint-tests"  # keys the Authorization scope
 
     @app.route("/pay", methods=["POST", "PATCH", "PUT"])
     def pay():
@@ -225,6 +226,7 @@ def test_c5_default_scope_is_a_digest_of_authorization(fp_app) -> None:
         with fp_app.test_request_context("/pay", method="POST", headers={"Authorization": token}):
             scope = default_scope(request)
             assert token not in scope
+            assert scope != "auth:" + hashlib.sha256(token.encode()).hexdigest()  # keyed
             scopes.add(scope)
     assert len(scopes) == 2
 
