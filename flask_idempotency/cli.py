@@ -4,14 +4,22 @@ Every command reports a database it cannot reach as one ``Error:`` line and
 exit status 1, and none of them creates the table unless told to with
 ``create-table``. Records are named as the request path names them: the digest
 of (scope, key), so the operator gives the raw key and the scope it was sent in.
+
+A record holds what a client sent (its path, the scope a loader read from the
+request, the response the view made of it), so nothing of it reaches the
+operator's terminal raw: control and format characters are escaped
+(:func:`printable`), and ``show --body`` writes the stored bytes as they are only
+when its output is not a terminal, or with ``--raw`` (issue 26).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 import time
+import unicodedata
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -35,6 +43,48 @@ _PROGRESS_EVERY_SECONDS = 5.0
 
 
 # -- plumbing --------------------------------------------------------------------------
+
+#: Characters looked at by :func:`printable`: all but printable ASCII other than ``\``.
+_SUSPECT = re.compile(r"[^\x20-\x5b\x5d-\x7e]")
+#: Unicode categories a terminal acts on or may hide: controls (C0, DEL, C1: escape
+#: sequences, bells, carriage returns), format characters (bidirectional overrides,
+#: zero-width characters), line and paragraph separators, surrogates, unassigned.
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"})
+
+
+def printable(text: str, *, keep_lines: bool = False) -> str:
+    r"""``text`` as a terminal may show it: every unsafe character escaped.
+
+    ``\x1b`` for a character below U+0080, ``\u202e`` (``\U…``) above; a byte
+    that was not UTF-8 (decoded with ``surrogateescape``) as ``\xff``; ``\``
+    itself as ``\\``, so the rendering is unambiguous. ``keep_lines``: newlines
+    and tabs stay (a body's layout); otherwise they are escaped too, so a value
+    cannot start a line of its own.
+    """
+    return _SUSPECT.sub(_escape_keeping_lines if keep_lines else _escape, text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    if char == "\\":
+        return "\\\\"
+    if unicodedata.category(char) not in _UNSAFE_CATEGORIES:
+        return char
+    code = ord(char)
+    if code < 0x80:
+        return f"\\x{code:02x}"
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def _escape_keeping_lines(match: re.Match[str]) -> str:
+    char = match.group()
+    return char if char in "\n\t" else _escape(match)
+
+
+def _stdout_is_terminal() -> bool:
+    return sys.stdout.isatty()
 
 
 def _state() -> Any:
@@ -67,15 +117,17 @@ def database_errors(command: F) -> F:
             raise click.ClickException(_missing_table_help(str(exc))) from None
         except MaintenanceError as exc:
             cause = exc.__cause__
+            what = printable(str(exc), keep_lines=True)
             if isinstance(cause, (OperationalError, InterfaceError)):
-                raise click.ClickException(f"database unavailable: {exc}") from None
-            raise click.ClickException(f"database error: {exc}") from None
+                raise click.ClickException(f"database unavailable: {what}") from None
+            raise click.ClickException(f"database error: {what}") from None
 
     return run  # type: ignore[return-value]
 
 
 def _missing_table_help(what: str) -> str:
-    table = _state().store.table.name
+    what = printable(what)
+    table = printable(_state().store.table.name)
     if _uses_migrations():
         return (
             f"{what}. Idempotency(db=...) defines it on your app's metadata; create it"
@@ -230,7 +282,7 @@ def stats_command(as_json: bool) -> None:
         return
     now = stats.now_ms
     lines = [
-        f"Table {maintenance.table.name} at {_iso(now)} (database clock)",
+        f"Table {printable(maintenance.table.name)} at {_iso(now)} (database clock)",
         f"  records                 {stats.total}",
         f"  completed               {stats.completed}",
         f"  in progress             {stats.in_progress}",
@@ -348,12 +400,14 @@ def _read_authorization() -> str:
 
 
 def _describe_record(record: RecordView) -> list[str]:
+    """The record as lines for a terminal: every value that came from a request (the
+    scope, method and path, the header names of the view's answer) is escaped."""
     now = record.now_ms
     lines = [
-        f"digest         {record.key_digest}",
-        f"scope          {record.scope}",
-        f"state          {record.state}",
-        f"request        {record.method} {record.path}",
+        f"digest         {printable(record.key_digest)}",
+        f"scope          {printable(record.scope)}",
+        f"state          {printable(record.state)}",
+        f"request        {printable(record.method)} {printable(record.path)}",
         f"created        {_iso(record.created_at_ms)}{_relative(record.created_at_ms, now)}",
         f"expires        {_iso(record.expires_at_ms)}{_relative(record.expires_at_ms, now)}",
     ]
@@ -374,14 +428,20 @@ def _describe_record(record: RecordView) -> list[str]:
         lines.append(f"status         {record.response_status}")
         lines.append(f"body           {size} bytes{omitted}")
         if record.response_headers:
-            headers = ", ".join(name for name, _ in json.loads(record.response_headers))
-            lines.append(f"headers        {headers}")
+            names = (printable(str(name)) for name, _ in json.loads(record.response_headers))
+            lines.append(f"headers        {', '.join(names)}")
     return lines
 
 
 @idempotency_cli.command("show")
 @_record_options
 @click.option("--body", "with_body", is_flag=True, help="Also print the stored response body.")
+@click.option(
+    "--raw",
+    is_flag=True,
+    help="With --body: write the body's bytes as they are even to a terminal (piped"
+    " output always gets them as they are).",
+)
 @database_errors
 def show_command(
     key: str,
@@ -390,12 +450,17 @@ def show_command(
     host: str | None,
     by_digest: bool,
     with_body: bool,
+    raw: bool,
 ) -> None:
     """Show the record of an Idempotency-Key: state, times (UTC), status, body size.
 
     With neither --scope nor --authorization the key is looked up in the shared
-    "anonymous" scope, where requests without credentials land.
+    "anonymous" scope, where requests without credentials land. To a terminal,
+    --body shows the body with control characters escaped (as \\x1b, \\u202e);
+    piped, or with --raw, it writes the stored bytes.
     """
+    if raw and not with_body:
+        raise click.UsageError("--raw goes with --body.")
     maintenance = _maintenance()
     maintenance.require_table()
     digest = _resolve_digest(maintenance, key, scope, authorization, by_digest, host)
@@ -405,7 +470,10 @@ def show_command(
     click.echo("\n".join(_describe_record(record)))
     if with_body and record.body is not None:
         click.echo("")
-        click.echo(record.body)
+        if raw or not _stdout_is_terminal():
+            click.echo(record.body)
+        else:
+            click.echo(printable(record.body.decode("utf-8", "surrogateescape"), keep_lines=True))
 
 
 @idempotency_cli.command("forget")
@@ -465,10 +533,10 @@ def check_command() -> None:
     if not report.exists:
         raise TableMissing(f"the table {report.table!r} does not exist")
     for warning in report.warnings:
-        click.echo(f"warning: {warning}", err=True)
+        click.echo(f"warning: {printable(warning)}", err=True)
     if report.errors:
         for error in report.errors:
-            click.echo(f"  - {error}", err=True)
+            click.echo(f"  - {printable(error)}", err=True)
         raise click.ClickException(
             f"the table {report.table!r} does not match what Flask-Idempotency expects"
             f" ({len(report.errors)} problem{'s' if len(report.errors) != 1 else ''} above)."
@@ -516,6 +584,7 @@ def _check_redis_tier() -> None:
 
     state = _state()
     target = redis_target(state.settings, state.extension._redis)
+    target = None if target is None else printable(target)
     if target is None:
         click.echo(
             "Redis tier: none (IDEMPOTENCY_REDIS_URL is not set): no cache; wake-ups reach"

@@ -21,7 +21,7 @@ import pytest
 from flask import Flask, jsonify, request
 from sqlalchemy import func, insert, select, text
 
-from flask_idempotency import Idempotency, idempotent
+from flask_idempotency import Idempotency, cli, idempotent
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.maintenance import Maintenance
 from flask_idempotency.table import db_now_ms
@@ -768,3 +768,96 @@ def test_i9_12_c45_create_table_under_db_says_what_to_run_instead(tmp_path: Path
     assert result.exit_code == 1, result.output
     for fix in ("flask db migrate", "flask db upgrade", "db.create_all()", "create-table --sql"):
         assert fix in result.output
+
+
+# -- issue 26 item 8: nothing a client sent reaches the operator's terminal raw -----------------
+
+#: An OSC sequence that retitles the terminal, as a client can put it in a path.
+OSC = "\x1b]0;pwned\x07"
+
+
+@pytest.fixture
+def notes_app(make_app: Any) -> Flask:
+    """A protected view whose path, scope and answer come from the client."""
+    app, ext = make_app()
+
+    @ext.scope_loader
+    def from_body() -> str | None:
+        return (request.get_json(silent=True) or {}).get("tenant")
+
+    @app.post("/notes/<path:name>")
+    @idempotent
+    def note(name: str) -> Any:
+        body = (request.get_json(silent=True) or {}).get("text", "").encode("utf-8")
+        return body + b"\n\xff\r" + OSC.encode(), 201, {"Content-Type": "text/plain"}
+
+    return app
+
+
+def _show(app: Flask, *args: str) -> Any:
+    return app.test_cli_runner().invoke(args=["idempotency", "show", *args])
+
+
+def test_i26_8_c28_show_escapes_control_characters_of_the_stored_request(
+    notes_app: Flask,
+) -> None:
+    answer = notes_app.test_client().post(
+        "/notes/%1B%5D0;pwned%07",
+        json={"tenant": "acme\x1b[2J\u202e"},
+        headers={"Idempotency-Key": "n-1"},
+    )
+    assert answer.status_code == 201
+    shown = _show(notes_app, "n-1", "--scope", "acme\x1b[2J\u202e")
+    assert shown.exit_code == 0, shown.output
+    for raw in ("\x1b", "\x07", "\u202e"):
+        assert raw not in shown.output
+    assert "request        POST /notes/\\x1b]0;pwned\\x07" in shown.output
+    assert "scope          scope:acme\\x1b[2J\\u202e" in shown.output
+    forgot = notes_app.test_cli_runner().invoke(
+        args=["idempotency", "forget", "n-1", "--scope", "acme\x1b[2J\u202e", "--yes"]
+    )
+    assert forgot.exit_code == 0 and "\x1b" not in forgot.output
+
+
+def test_i26_8_c28_show_body_on_a_terminal_is_a_safe_rendering(
+    notes_app: Flask, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--body`` to a terminal escapes what a terminal would act on (newlines and
+    tabs stay); piped, or with ``--raw``, it writes the stored bytes as they are."""
+    notes_app.test_client().post(
+        "/notes/a", json={"text": "line 1\n\tline 2 \\x1b"}, headers={"Idempotency-Key": "n-2"}
+    )
+    stored = b"line 1\n\tline 2 \\x1b\n\xff\r" + OSC.encode()
+    piped = _show(notes_app, "n-2", "--body")
+    assert piped.exit_code == 0 and piped.stdout_bytes.endswith(stored + b"\n")
+
+    monkeypatch.setattr(cli, "_stdout_is_terminal", lambda: True, raising=False)
+    shown = _show(notes_app, "n-2", "--body")
+    assert shown.exit_code == 0, shown.output
+    assert not set(shown.output) & {"\x1b", "\x07", "\r", "\udcff"}
+    rendered = "line 1\n\tline 2 \\\\x1b\n\\xff\\x0d\\x1b]0;pwned\\x07\n"
+    assert shown.output.endswith("\n\n" + rendered), shown.output
+    raw = _show(notes_app, "n-2", "--body", "--raw")
+    assert raw.exit_code == 0 and raw.stdout_bytes.endswith(stored + b"\n")
+    assert _show(notes_app, "n-2", "--raw").exit_code == 2  # --raw goes with --body
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("/orders/é/日本/🙂", "/orders/é/日本/🙂"),  # letters and symbols stay
+        ("a\\x1b", "a\\\\x1b"),  # a backslash is doubled: escapes are unambiguous
+        ("\x1b[2J\x07\x00\x7f", "\\x1b[2J\\x07\\x00\\x7f"),  # C0 and DEL
+        ("\x9b31m\x85", "\\u009b31m\\u0085"),  # C1: CSI, NEL
+        ("\u202eevil\u2066\u200b\ufeff", "\\u202eevil\\u2066\\u200b\\ufeff"),  # format
+        ("a\u2028b\u2029c", "a\\u2028b\\u2029c"),  # line and paragraph separators
+        ("\udcff", "\\xff"),  # a byte that was not UTF-8
+        ("a\nb\tc\rd", "a\\x0ab\\x09c\\x0dd"),
+    ],
+)
+def test_i26_8_c28_printable_escapes_what_a_terminal_acts_on(text: str, shown: str) -> None:
+    assert cli.printable(text) == shown
+
+
+def test_i26_8_c28_printable_keeps_a_bodys_lines_when_asked() -> None:
+    assert cli.printable("a\nb\tc\rd", keep_lines=True) == "a\nb\tc\\x0dd"
