@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import logging
 import threading
 
@@ -228,6 +229,11 @@ def test_i26_5_c30_the_digest_is_keyed_by_the_scope_secret_else_secret_key(make_
     assert scopes["key-a"] == scopes["key-a-again"] != scopes["key-b"]
     assert scopes["scope-s-key-a"] == scopes["scope-s-key-b"] == scopes["scope-s-only"]
     assert scopes["scope-s-key-a"] != scopes["key-a"]
+    # RFC 2104 HMAC-SHA256 of the header under a key derived from the secret.
+    key = hmac.digest(b"s", b"flask-idempotency scope key v1", "sha256")
+    assert (
+        scopes["scope-s-only"] == "auth-hmac:" + hmac.new(key, b"Bearer tok", "sha256").hexdigest()
+    )
 
 
 def test_i26_5_c30_without_a_secret_the_authorization_scope_fails_loudly(make_app) -> None:
