@@ -4,15 +4,22 @@ Every command reports a database it cannot reach as one ``Error:`` line and
 exit status 1, and none of them creates the table unless told to with
 ``create-table``. Records are named as the request path names them: the digest
 of (scope, key), so the operator gives the raw key and the scope it was sent in.
+
+A record holds what a client sent (its path, the scope a loader read from the
+request, the response the view made of it), so nothing of it reaches the
+operator's terminal raw: control and format characters are escaped
+(:func:`printable`), and ``show --body`` writes the stored bytes as they are only
+when its output is not a terminal, or with ``--raw`` (issue 26).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
+import re
 import sys
 import time
+import unicodedata
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -23,7 +30,7 @@ from flask import current_app
 from flask.cli import AppGroup
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from .fingerprint import ANONYMOUS_SCOPE, key_digest
+from .fingerprint import ANONYMOUS_SCOPE, authorization_scope, key_digest, with_host
 from .keys import InvalidKey, parse_key
 from .store.maintenance import Maintenance, MaintenanceError, RecordView, TableMissing
 
@@ -36,6 +43,48 @@ _PROGRESS_EVERY_SECONDS = 5.0
 
 
 # -- plumbing --------------------------------------------------------------------------
+
+#: Characters looked at by :func:`printable`: all but printable ASCII other than ``\``.
+_SUSPECT = re.compile(r"[^\x20-\x5b\x5d-\x7e]")
+#: Unicode categories a terminal acts on or may hide: controls (C0, DEL, C1: escape
+#: sequences, bells, carriage returns), format characters (bidirectional overrides,
+#: zero-width characters), line and paragraph separators, surrogates, unassigned.
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"})
+
+
+def printable(text: str, *, keep_lines: bool = False) -> str:
+    r"""``text`` as a terminal may show it: every unsafe character escaped.
+
+    ``\x1b`` for a character below U+0080, ``\u202e`` (``\U…``) above; a byte
+    that was not UTF-8 (decoded with ``surrogateescape``) as ``\xff``; ``\``
+    itself as ``\\``, so the rendering is unambiguous. ``keep_lines``: newlines
+    and tabs stay (a body's layout); otherwise they are escaped too, so a value
+    cannot start a line of its own.
+    """
+    return _SUSPECT.sub(_escape_keeping_lines if keep_lines else _escape, text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    if char == "\\":
+        return "\\\\"
+    if unicodedata.category(char) not in _UNSAFE_CATEGORIES:
+        return char
+    code = ord(char)
+    if code < 0x80:
+        return f"\\x{code:02x}"
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def _escape_keeping_lines(match: re.Match[str]) -> str:
+    char = match.group()
+    return char if char in "\n\t" else _escape(match)
+
+
+def _stdout_is_terminal() -> bool:
+    return sys.stdout.isatty()
 
 
 def _state() -> Any:
@@ -68,15 +117,17 @@ def database_errors(command: F) -> F:
             raise click.ClickException(_missing_table_help(str(exc))) from None
         except MaintenanceError as exc:
             cause = exc.__cause__
+            what = printable(str(exc), keep_lines=True)
             if isinstance(cause, (OperationalError, InterfaceError)):
-                raise click.ClickException(f"database unavailable: {exc}") from None
-            raise click.ClickException(f"database error: {exc}") from None
+                raise click.ClickException(f"database unavailable: {what}") from None
+            raise click.ClickException(f"database error: {what}") from None
 
     return run  # type: ignore[return-value]
 
 
 def _missing_table_help(what: str) -> str:
-    table = _state().store.table.name
+    what = printable(what)
+    table = printable(_state().store.table.name)
     if _uses_migrations():
         return (
             f"{what}. Idempotency(db=...) defines it on your app's metadata; create it"
@@ -231,7 +282,7 @@ def stats_command(as_json: bool) -> None:
         return
     now = stats.now_ms
     lines = [
-        f"Table {maintenance.table.name} at {_iso(now)} (database clock)",
+        f"Table {printable(maintenance.table.name)} at {_iso(now)} (database clock)",
         f"  records                 {stats.total}",
         f"  completed               {stats.completed}",
         f"  in progress             {stats.in_progress}",
@@ -259,7 +310,14 @@ def _record_options(command: F) -> F:
         click.option(
             "--authorization",
             default=None,
-            help="Without a scope_loader: the request's Authorization header value.",
+            help="Without a scope_loader: the request's Authorization header value; '-'"
+            " asks for it (hidden) or reads it from stdin, out of the shell's history.",
+        ),
+        click.option(
+            "--host",
+            default=None,
+            help="Without a scope_loader, on a route with a subdomain or a host: the"
+            " request's host (the default scope carries it).",
         ),
         click.option(
             "--digest",
@@ -279,6 +337,7 @@ def _resolve_digest(
     scope: str | None,
     authorization: str | None,
     by_digest: bool,
+    host: str | None = None,
 ) -> str:
     """The digest the request path would give this (scope, key) (C5, C22)."""
     given = [
@@ -288,6 +347,11 @@ def _resolve_digest(
     ] + (["--digest"] if by_digest else [])
     if len(given) > 1:
         raise click.UsageError("Give at most one of --scope, --authorization and --digest.")
+    if host is not None and (scope is not None or by_digest):
+        raise click.UsageError(
+            "--host names a default scope (no scope_loader): it goes with --authorization"
+            " or alone, not with --scope or --digest."
+        )
     if by_digest:
         prefix = key.strip().lower()
         if len(prefix) < 8 or any(c not in "0123456789abcdef" for c in prefix):
@@ -310,19 +374,40 @@ def _resolve_digest(
     if scope is not None:
         full_scope = "scope:" + scope
     elif authorization is not None:
-        full_scope = "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
+        if authorization == "-":
+            authorization = _read_authorization()
+        try:
+            full_scope = authorization_scope(authorization, current_app)
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
     else:
         full_scope = ANONYMOUS_SCOPE
+    if host is not None:
+        full_scope = with_host(full_scope, host)
     return key_digest(full_scope, parsed)
 
 
+def _read_authorization() -> str:
+    """The header value for ``--authorization -``: asked for, unechoed, on a terminal;
+    else the first line of stdin. Either way it never lands in the shell's history."""
+    if sys.stdin.isatty():
+        value: str = click.prompt("Authorization header", hide_input=True, err=True)
+    else:
+        value = sys.stdin.readline().rstrip("\r\n")
+    if not value:
+        raise click.BadParameter("no header value was given.", param_hint="--authorization")
+    return value
+
+
 def _describe_record(record: RecordView) -> list[str]:
+    """The record as lines for a terminal: every value that came from a request (the
+    scope, method and path, the header names of the view's answer) is escaped."""
     now = record.now_ms
     lines = [
-        f"digest         {record.key_digest}",
-        f"scope          {record.scope}",
-        f"state          {record.state}",
-        f"request        {record.method} {record.path}",
+        f"digest         {printable(record.key_digest)}",
+        f"scope          {printable(record.scope)}",
+        f"state          {printable(record.state)}",
+        f"request        {printable(record.method)} {printable(record.path)}",
         f"created        {_iso(record.created_at_ms)}{_relative(record.created_at_ms, now)}",
         f"expires        {_iso(record.expires_at_ms)}{_relative(record.expires_at_ms, now)}",
     ]
@@ -343,33 +428,52 @@ def _describe_record(record: RecordView) -> list[str]:
         lines.append(f"status         {record.response_status}")
         lines.append(f"body           {size} bytes{omitted}")
         if record.response_headers:
-            headers = ", ".join(name for name, _ in json.loads(record.response_headers))
-            lines.append(f"headers        {headers}")
+            names = (printable(str(name)) for name, _ in json.loads(record.response_headers))
+            lines.append(f"headers        {', '.join(names)}")
     return lines
 
 
 @idempotency_cli.command("show")
 @_record_options
 @click.option("--body", "with_body", is_flag=True, help="Also print the stored response body.")
+@click.option(
+    "--raw",
+    is_flag=True,
+    help="With --body: write the body's bytes as they are even to a terminal (piped"
+    " output always gets them as they are).",
+)
 @database_errors
 def show_command(
-    key: str, scope: str | None, authorization: str | None, by_digest: bool, with_body: bool
+    key: str,
+    scope: str | None,
+    authorization: str | None,
+    host: str | None,
+    by_digest: bool,
+    with_body: bool,
+    raw: bool,
 ) -> None:
     """Show the record of an Idempotency-Key: state, times (UTC), status, body size.
 
     With neither --scope nor --authorization the key is looked up in the shared
-    "anonymous" scope, where requests without credentials land.
+    "anonymous" scope, where requests without credentials land. To a terminal,
+    --body shows the body with control characters escaped (as \\x1b, \\u202e);
+    piped, or with --raw, it writes the stored bytes.
     """
+    if raw and not with_body:
+        raise click.UsageError("--raw goes with --body.")
     maintenance = _maintenance()
     maintenance.require_table()
-    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest)
+    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest, host)
     record = maintenance.lookup(digest, with_body=with_body)
     if record is None:
         raise click.ClickException(f"no record for that key in this scope (digest {digest[:16]}).")
     click.echo("\n".join(_describe_record(record)))
     if with_body and record.body is not None:
         click.echo("")
-        click.echo(record.body)
+        if raw or not _stdout_is_terminal():
+            click.echo(record.body)
+        else:
+            click.echo(printable(record.body.decode("utf-8", "surrogateescape"), keep_lines=True))
 
 
 @idempotency_cli.command("forget")
@@ -377,7 +481,12 @@ def show_command(
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @database_errors
 def forget_command(
-    key: str, scope: str | None, authorization: str | None, by_digest: bool, yes: bool
+    key: str,
+    scope: str | None,
+    authorization: str | None,
+    host: str | None,
+    by_digest: bool,
+    yes: bool,
 ) -> None:
     """Delete the record of an Idempotency-Key, whatever its state.
 
@@ -386,7 +495,7 @@ def forget_command(
     """
     maintenance = _maintenance()
     maintenance.require_table()
-    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest)
+    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest, host)
     record = maintenance.lookup(digest)
     if record is None:
         raise click.ClickException(f"no record for that key in this scope (digest {digest[:16]}).")
@@ -424,10 +533,10 @@ def check_command() -> None:
     if not report.exists:
         raise TableMissing(f"the table {report.table!r} does not exist")
     for warning in report.warnings:
-        click.echo(f"warning: {warning}", err=True)
+        click.echo(f"warning: {printable(warning)}", err=True)
     if report.errors:
         for error in report.errors:
-            click.echo(f"  - {error}", err=True)
+            click.echo(f"  - {printable(error)}", err=True)
         raise click.ClickException(
             f"the table {report.table!r} does not match what Flask-Idempotency expects"
             f" ({len(report.errors)} problem{'s' if len(report.errors) != 1 else ''} above)."
@@ -475,6 +584,7 @@ def _check_redis_tier() -> None:
 
     state = _state()
     target = redis_target(state.settings, state.extension._redis)
+    target = None if target is None else printable(target)
     if target is None:
         click.echo(
             "Redis tier: none (IDEMPOTENCY_REDIS_URL is not set): no cache; wake-ups reach"

@@ -108,6 +108,11 @@ class Settings:
     heartbeat: bool = True
     #: Seconds after its claim that an owner stops renewing, so a hung view lets go (C44).
     max_runtime: float = 900.0
+    #: Key of the default scope's digest of the ``Authorization`` header: an HMAC, so the
+    #: stored scope gives nothing to a wordlist (C30). ``None``: the app's ``SECRET_KEY``.
+    #: Without either, a request scoped by its ``Authorization`` header is an error. Set it
+    #: to keep scopes when ``SECRET_KEY`` rotates; changing it changes those scopes.
+    scope_secret: str | bytes | None = dataclasses.field(default=None, repr=False)
 
     @functools.cached_property
     def header_environ_key(self) -> str:
@@ -165,6 +170,12 @@ class Settings:
         base = self.problem_type_base
         if not isinstance(base, str) or not base:
             raise ValueError("IDEMPOTENCY_PROBLEM_TYPE_BASE must be a URI.")
+        secret = self.scope_secret
+        if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
+            what = "empty" if isinstance(secret, (str, bytes)) else f"a {type(secret).__name__}"
+            raise ValueError(  # the value may be a secret: never in the message
+                f"IDEMPOTENCY_SCOPE_SECRET must be a non-empty string or bytes; it is {what}."
+            )
         return dataclasses.replace(
             self,
             methods=methods,

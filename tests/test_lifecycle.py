@@ -281,6 +281,7 @@ def test_c5_scope_loader_never_replays_across_scopes(make_app) -> None:
 
 def test_c5_default_scope_is_the_authorization_header(app_calls) -> None:
     app, _, calls = app_calls
+    app.config["SECRET_KEY"] = "lifecycle-tests"  # the digest's key (issue 26 item 5)
 
     @app.post("/pay")
     @idempotent
