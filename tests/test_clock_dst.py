@@ -46,13 +46,13 @@ import pytest
 from sqlalchemy import create_engine, event, select, text
 from sqlalchemy.engine import URL, Engine
 
-from flask_idempotency.extension import create_store_engine
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.records import Claim, Identity, Record
 
 # The store and its clock expression, wherever the package keeps them (repoint here).
 from flask_idempotency.store import DurableStore
-from flask_idempotency.table import db_now_ms
+from flask_idempotency.store.clock import db_now_ms
+from flask_idempotency.store.connect import create_store_engine
 from tests.conftest import close_stores, driver_url, service_missing
 from tests.support.mariadb_server import MariaDBServer, mariadb_binaries
 
