@@ -33,10 +33,10 @@ from flask import Flask, jsonify
 from sqlalchemy.engine import make_url
 
 from flask_idempotency import Idempotency, idempotent
-from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.records import Claim, Identity, StoredResponse
 from flask_idempotency.store import DurableStore
+from flask_idempotency.store.connect import create_store_engine
 
 RESPONSE = StoredResponse(201, (("Content-Type", "application/json"),), b'{"id":1}')
 

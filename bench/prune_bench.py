@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, make_url
 
-from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.records import Identity
 from flask_idempotency.store import DurableStore
+from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.store.maintenance import Maintenance
 
 TABLE = "idempotency_bench"

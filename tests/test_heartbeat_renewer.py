@@ -16,9 +16,9 @@ import pytest
 from sqlalchemy import update
 
 from flask_idempotency.completion import heartbeat
-from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.records import Claim, Identity
 from flask_idempotency.store import DurableStore
+from flask_idempotency.store.connect import create_store_engine
 from tests.support.waiting import wait_until
 
 

@@ -24,11 +24,11 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.engine import URL
 
 from flask_idempotency import idempotent
-from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.records import Claim, Identity, Record, StoredResponse
 from flask_idempotency.store import DurableStore
 from flask_idempotency.store.clock import db_now_ms
+from flask_idempotency.store.connect import create_store_engine
 
 from .test_lifecycle import KEY, REPLAYED
 

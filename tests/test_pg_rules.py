@@ -17,10 +17,10 @@ import pytest
 from flask import Flask, jsonify, request
 
 from flask_idempotency import idempotent, signals
-from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.fingerprint import key_digest, request_fingerprint
 from flask_idempotency.notify import hub as wakeup
 from flask_idempotency.records import Claim, Identity, StoredResponse
+from flask_idempotency.store.connect import create_store_engine
 
 from .test_lifecycle import (
     KEY,

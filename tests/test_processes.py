@@ -21,10 +21,10 @@ from sqlalchemy import MetaData, func, select
 from sqlalchemy.engine import URL
 
 from flask_idempotency import Idempotency, idempotent
-from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.records import COMPLETED
 from flask_idempotency.store import DurableStore
+from flask_idempotency.store.connect import create_store_engine
 from tests.apps.procapp import executions_table
 from tests.support.gunicorn import GunicornServer, pid_alive
 from tests.support.tcp_proxy import TcpProxy

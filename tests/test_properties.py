@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 
 from flask_idempotency import Idempotency, idempotent
 from flask_idempotency.config import TRANSIENT_STATUSES, Settings
-from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.fingerprint import key_digest, request_fingerprint
 from flask_idempotency.keys import InvalidKey, parse_key
 from flask_idempotency.records import Claim, Completed, Identity, Record, StoredResponse
@@ -34,6 +33,7 @@ from flask_idempotency.responses import (
     replay,
 )
 from flask_idempotency.store import DurableStore
+from flask_idempotency.store.connect import create_store_engine
 
 PROPERTY_SETTINGS = settings(
     max_examples=200,

@@ -13,7 +13,6 @@ import uuid
 import pytest
 from sqlalchemy import func, select
 
-from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.records import (
     COMPLETED,
@@ -25,6 +24,7 @@ from flask_idempotency.records import (
 )
 from flask_idempotency.store import DurableStore, StoreError
 from flask_idempotency.store.clock import db_now_ms
+from flask_idempotency.store.connect import create_store_engine
 
 from .conftest import service_missing
 

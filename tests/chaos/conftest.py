@@ -29,8 +29,8 @@ import requests
 from sqlalchemy import MetaData, func, select
 from sqlalchemy.engine import URL
 
-from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.store import DurableStore
+from flask_idempotency.store.connect import create_store_engine
 from tests.chaos.chaosapp import ledger_tables
 from tests.conftest import redis_server_binary
 from tests.support.gunicorn import GunicornServer

@@ -31,10 +31,10 @@ import requests
 from sqlalchemy import Engine, MetaData, Table, select
 from sqlalchemy.engine import URL
 
-from flask_idempotency.store.connect import create_store_engine
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.records import Record
 from flask_idempotency.store import DurableStore
+from flask_idempotency.store.connect import create_store_engine
 from tests.apps.atomicapp import attempts_table, payments_table
 from tests.support.gunicorn import GunicornServer
 
