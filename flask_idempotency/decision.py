@@ -15,7 +15,9 @@ Unavailable the durable store failed and no cached copy could answer (C25)
 On the way, a record still in flight under the same fingerprint makes the
 request park (C10): the caller's ``park`` waits for a wake-up or a poll tick
 and re-checks through the same lookup until the outcome changes or the wait
-runs out. Nothing here knows Flask, SQL, Redis or a dialect: the lookup,
+runs out. A re-check the store cannot answer keeps the request parked: its
+original still runs, or its owner keeps the completion until the store is back
+(C55). Nothing here knows Flask, SQL, Redis or a dialect: the lookup,
 the parking and the cache fallback are handed in, so the state machine is
 tested on its own (tests/test_decision.py).
 """
@@ -123,7 +125,20 @@ def decide(
         outcome = recheck()
         if park is not None and in_flight(outcome, fingerprint):
             assert isinstance(outcome, Record)
-            outcome = park(outcome, recheck, lambda found: in_flight(found, fingerprint))
+            last: Outcome = outcome
+
+            def recheck_parked() -> Outcome:
+                # The store gone while we wait (a failover): as far as we know the original
+                # still runs, and its owner keeps its completion until the store is back
+                # (C55), so go on waiting for its wake-up instead of answering 503.
+                nonlocal last
+                try:
+                    last = recheck()
+                except StoreError:
+                    pass
+                return last
+
+            outcome = park(outcome, recheck_parked, lambda found: in_flight(found, fingerprint))
     except StoreError as exc:
         found = cached() if cached is not None else None
         if found is None:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from flask import current_app
 
 from . import signals
-from .completion import heartbeat
+from .completion import deferred, heartbeat
 from .completion import unit as atomic
 from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, decide
 from .fingerprint import _digest, key_digest
@@ -109,11 +109,55 @@ class Run:
         #: The lease heartbeat's entry while the owner works (C44).
         self._lease: heartbeat.Lease | None = None
         self._started = time.perf_counter()
+        self._lease_seconds = 0.0
+        #: The app the work runs in: deferred settlements report from another thread.
+        self._app: Any = None
 
     @property
     def key_digest(self) -> str:
         """Digest of (scope, key): a downstream idempotency key for this work (C30)."""
         return self.ident.key_digest
+
+    # -- what a deferred settlement needs of its owner (C55, completion.deferred.Owner) --
+
+    @property
+    def state(self) -> AppState:
+        assert self._state is not None
+        return self._state
+
+    @property
+    def claim(self) -> Claim:
+        assert self._claim is not None
+        return self._claim
+
+    @property
+    def started(self) -> float:
+        return self._started
+
+    @property
+    def lease_seconds(self) -> float:
+        return self._lease_seconds
+
+    def emit(self, signal: Any, **extra: Any) -> None:
+        _send(signal, self, **extra)
+
+    def lease_lost(self, action: str) -> None:
+        _lease_lost(self, action)
+
+    def report_lease(self, reason: str) -> None:
+        log.warning(
+            "idempotency: the lease on %s could not be renewed (%s)", self.ident.path, reason
+        )
+        if signals.lease_renewal_failed.receivers:
+            signals.send(
+                signals.lease_renewal_failed,
+                self._app,
+                key_digest=self.ident.key_digest,
+                scope=self.ident.scope,
+                route="once:" + self.ident.path,
+                duration=time.perf_counter() - self._started,
+                reason=reason,
+            )
 
 
 class Once:
@@ -228,6 +272,8 @@ class Once:
         run = Run(ident)
         run._state = state
         run._atomic = self._atomic
+        run._lease_seconds = lease
+        run._app = current_app._get_current_object()  # type: ignore[attr-defined]
         verdict = decide(
             lambda: state.look_up(ident, ttl=ttl, lease=lease, guard_locks=run._atomic),
             ident.fingerprint,
@@ -304,19 +350,23 @@ class Once:
             try:
                 expires_at_ms = state.store.complete(claim, stored)
             except StoreError as exc:
-                # The work is done; the claim lapses after its lease, then a retry may run it
-                # again. Nothing better is possible without atomic=True.
-                log.error(
-                    "idempotency: could not store the result of %s: %s", run.key_digest[:16], exc
-                )
-                _send(signals.store_error, run, tier="database", error=str(exc), action="complete")
-                raise
+                # The work is done: the process keeps the result and stores it once the
+                # store answers again (C55); a duplicate meanwhile waits or gets
+                # JobInProgress. Only when it keeps too many does the caller see the error.
+                if not deferred.keep(
+                    run,
+                    "complete",
+                    lambda: state.store.complete(claim, stored),
+                    functools.partial(_completion_landed, run, stored, omitted),
+                    size=len(stored.body),
+                    error=exc,
+                ):
+                    raise
+                return
             if expires_at_ms is None:
                 _lease_lost(run, "complete")
                 return
-        completed = Completed(run.ident.fingerprint, expires_at_ms, stored)
-        state.announce_completed(run.key_digest, completed)  # C23: after the commit
-        _send(signals.response_stored, run, status=200, body_omitted=omitted)
+        _completion_landed(run, stored, omitted, expires_at_ms)
 
     def _begin_unit(self, run: Run) -> None:
         """Begin atomic work's transaction after the claim, so that it sees the claim (C43)."""
@@ -349,40 +399,45 @@ class Once:
         try:
             released = state.store.release(claim)
         except StoreError as exc:
-            log.error("idempotency: could not release %s: %s", run.key_digest[:16], exc)
-            _send(signals.store_error, run, tier="database", error=str(exc), action="release")
+            deferred.keep(
+                run,
+                "release",
+                lambda: state.store.release(claim),
+                lambda released: _released(run, bool(released), reason),
+                size=0,
+                error=exc,
+            )
             return
-        if not released:
-            _lease_lost(run, "release")
-            return
-        state.wakeups.announce(run.key_digest, "released")
-        _send(signals.claim_released, run, reason=reason, status=None)
+        _released(run, released, reason)
+
+
+def _released(run: Run, released: bool, reason: str) -> None:
+    if not released:
+        _lease_lost(run, "release")
+        return
+    run.state.wakeups.announce(run.key_digest, "released")
+    _send(signals.claim_released, run, reason=reason, status=None)
+
+
+def _completion_landed(
+    run: Run, stored: StoredResponse, omitted: bool, expires_at_ms: int | None
+) -> None:
+    """After the durable commit (now or deferred): promote, wake, tell (C23)."""
+    if expires_at_ms is None:
+        _lease_lost(run, "complete")
+        return
+    completed = Completed(run.ident.fingerprint, expires_at_ms, stored)
+    run.state.announce_completed(run.key_digest, completed)
+    _send(signals.response_stored, run, status=200, body_omitted=omitted)
 
 
 def _start_heartbeat(state: AppState, run: Run, lease: float) -> None:
     """Renew the owner's lease while the work runs (C44), unless the app turned it off."""
     if not state.settings.heartbeat:
         return
-    app = current_app._get_current_object()  # type: ignore[attr-defined]
-    claim = run._claim
-    assert claim is not None
-
-    def report(reason: str) -> None:  # runs on the renewal thread
-        log.warning(
-            "idempotency: the lease on %s could not be renewed (%s)", run.ident.path, reason
-        )
-        if signals.lease_renewal_failed.receivers:
-            signals.send(
-                signals.lease_renewal_failed,
-                app,
-                key_digest=run.ident.key_digest,
-                scope=run.ident.scope,
-                route="once:" + run.ident.path,
-                duration=time.perf_counter() - run._started,
-                reason=reason,
-            )
-
-    run._lease = heartbeat.start(state.store, claim, lease, state.settings.max_runtime, report)
+    run._lease = heartbeat.start(
+        state.store, run.claim, lease, state.settings.max_runtime, run.report_lease
+    )
 
 
 def _stop_heartbeat(run: Run) -> None:
@@ -445,7 +500,7 @@ def _send(signal: Any, run: Run, **extra: Any) -> None:
     if signal.receivers:
         signals.send(
             signal,
-            current_app._get_current_object(),  # type: ignore[attr-defined]
+            run._app,
             key_digest=run.ident.key_digest,
             scope=run.ident.scope,
             route="once:" + run.ident.path,

@@ -68,3 +68,10 @@ transaction_retried = _signals.signal("idempotency-transaction-retried")
 #: ``"store-unavailable"`` (renewals failed until the lease ran out) or
 #: ``"max-runtime"`` (renewals stopped at ``IDEMPOTENCY_MAX_RUNTIME``).
 lease_renewal_failed = _signals.signal("idempotency-lease-renewal-failed")
+#: A completion or release the store refused for now (a failover, a restart) is kept by the
+#: owner's process and retried in the background until it lands (C55). Sent when it is
+#: kept, when it lands and when it is given up; the later two from the renewal thread.
+#: Extra: ``action`` (``"complete"`` or ``"release"``), ``outcome`` (``"deferred"``,
+#: ``"landed"``, ``"gave-up"``, or ``"refused"`` when the process already holds as many
+#: as it may keep), ``pending`` (how many this process holds now).
+settlement_deferred = _signals.signal("idempotency-settlement-deferred")

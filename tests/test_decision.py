@@ -167,5 +167,26 @@ def test_c25_a_store_failure_while_parked_falls_back_like_the_first_lookup() -> 
     assert decide(lookups(record()), FP, park=park, cached=lambda: None) == Unavailable(error)
 
 
+def test_c55_a_store_failure_while_parked_keeps_waiting_for_the_original() -> None:
+    """A re-check the store cannot answer (a failover) is no reason to give up the wait:
+    the owner keeps its completion and it lands later (C55)."""
+    answers: list[Outcome | Exception] = [record(), StoreError("failing over"), completed()]
+
+    def look_up() -> tuple[Outcome, str]:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer, "database"
+
+    def park(
+        found: Record, recheck: Callable[[], Outcome], going: Callable[[Outcome], bool]
+    ) -> Outcome:
+        outcome = recheck()
+        assert outcome == found and going(outcome)  # still in flight as far as we know
+        return recheck()
+
+    assert decide(look_up, FP, park=park) == Replay(completed(), "database")
+
+
 def test_completed_state_constant_is_what_records_use() -> None:
     assert record(state=COMPLETED).completed() == completed()

@@ -7,12 +7,18 @@
 #   redis-server redis-tools   private servers, Cluster and Sentinel groups (redis-cli --cluster)
 #   wrk                        make bench's throughput part
 #   libmariadb-dev pkg-config  to build mysqlclient, the second MySQL/MariaDB driver
+#   patroni etcd-server        the failover test (tests/failover, tests/support/patroni.py): a
+#                              Patroni pair and its etcd, started by the test on free loopback
+#                              ports as a non-root user and killed by pid; the packages' own
+#                              services are never used (patroni.service needs an
+#                              /etc/patroni/config.yml nobody writes; an etcd the system may
+#                              start on 2379 is left alone)
 #
 # Without root or apt (a laptop) it only says what is missing; those tests then skip with a
 # reason, except under CI=true, where they fail.
 set -uo pipefail
 
-packages=(pgbouncer chromium chromium-driver redis-server redis-tools wrk libmariadb-dev pkg-config)
+packages=(pgbouncer chromium chromium-driver redis-server redis-tools wrk libmariadb-dev pkg-config patroni etcd-server)
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -25,11 +25,13 @@ gets 409.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.pool import QueuePool
@@ -48,6 +50,34 @@ _IDLE_EXIT = 10.0
 TAKEN_OVER = "taken-over"
 STORE_UNAVAILABLE = "store-unavailable"
 MAX_RUNTIME = "max-runtime"
+
+
+#: Settlements one process keeps at most (C55, :mod:`.deferred`).
+MAX_PENDING = 1000
+#: Bytes of stored bodies one process keeps at most for them.
+MAX_PENDING_BYTES = 64 * 1024 * 1024
+#: The first retry's pause and the longest between two retries (seconds).
+FIRST_PAUSE = 0.05
+MAX_PAUSE = 1.0
+
+
+@dataclasses.dataclass(eq=False)
+class Settlement:
+    """One kept completion or release, as the renewer retries it."""
+
+    #: ``"complete"`` or ``"release"``.
+    action: str
+    #: The fenced write; raises while the store is still unreachable.
+    attempt: Callable[[], Any]
+    #: What follows once it landed, with the write's result (promote, wake, signals).
+    landed: Callable[[Any], None]
+    #: What follows when it is given up, with the last error.
+    gave_up: Callable[[BaseException], None]
+    #: Bytes of body it holds.
+    size: int
+    #: When to stop trying (monotonic).
+    deadline: float
+    pause: float = FIRST_PAUSE
 
 
 class Lease:
@@ -80,6 +110,8 @@ class Lease:
         self.lost: str | None = None
         self._reported: set[str] = set()
         self.renewer: Renewer | None = None
+        #: A settlement the store refused for now, retried on the renewer's thread (C55).
+        self.settlement: Settlement | None = None
 
 
 class Renewer:
@@ -95,6 +127,9 @@ class Renewer:
         self._wakes_at: float | None = None
         #: Per store engine, a pool of the renewer's own (used by its thread only).
         self._engines: dict[int, tuple[Engine, Engine]] = {}
+        #: Settlements kept (C55): how many, and the bytes of their bodies.
+        self.pending = 0
+        self.pending_bytes = 0
 
     # -- called by owners ----------------------------------------------------------------
 
@@ -102,10 +137,7 @@ class Renewer:
         with self._cond:
             self._leases.add(lease)
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="idempotency-heartbeat", daemon=True
-                )
-                self._thread.start()
+                self._start_thread()
             else:
                 self._wake_if_sooner(lease)
 
@@ -126,6 +158,50 @@ class Renewer:
         with self._cond:
             lease.held = False
             self._wake_if_sooner(lease)
+
+    def defer(self, lease: Lease, settlement: Settlement) -> bool:
+        """Keep ``settlement`` and retry it on this thread until it lands (C55).
+
+        ``False`` when the process already keeps as many settlements, or as many
+        bytes, as it may: the caller then drops it, as before deferral existed.
+        """
+        with self._cond:
+            if (
+                self.pending >= MAX_PENDING
+                or self.pending_bytes + settlement.size > MAX_PENDING_BYTES
+            ):
+                return False
+            self.pending += 1
+            self.pending_bytes += settlement.size
+            lease.settlement = settlement
+            lease.done = lease.held = False
+            lease.next_due = time.monotonic() + settlement.pause
+            self._leases.add(lease)
+            lease.renewer = self
+            if self._thread is None:
+                self._start_thread()
+            else:
+                self._wake_if_sooner(lease)
+        return True
+
+    def flush(self, timeout: float) -> int:
+        """Try every kept settlement now and wait up to ``timeout`` for them to land;
+        returns how many are still pending (a clean worker shutdown calls this)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            now = time.monotonic()
+            for lease in self._leases:
+                if lease.settlement is not None:
+                    lease.next_due = min(lease.next_due, now)
+            self._wakes_at = None
+            self._cond.notify_all()
+            while self.pending and time.monotonic() < deadline and self._thread is not None:
+                self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            return self.pending
+
+    def _start_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="idempotency-heartbeat", daemon=True)
+        self._thread.start()
 
     def _wake_if_sooner(self, lease: Lease) -> None:
         """Wake the waiting thread only if ``lease`` is due before it would wake anyway.
@@ -187,6 +263,10 @@ class Renewer:
                 self._wakes_at = None
 
     def _renew(self, due: list[Lease]) -> None:
+        settling = [lease for lease in due if lease.settlement is not None]
+        if settling:
+            self._settle(settling)
+            due = [lease for lease in due if lease.settlement is None]
         reports: list[tuple[Lease, str]] = []
         now = time.monotonic()
         stopping = [lease for lease in due if now - lease.started >= lease.max_runtime]
@@ -235,6 +315,38 @@ class Renewer:
             if reason not in lease._reported and not lease.done:
                 lease._reported.add(reason)
                 lease.report(reason)
+
+    def _settle(self, leases: list[Lease]) -> None:
+        """Try each kept settlement once; back off the ones the store still refuses."""
+        results: list[tuple[Lease, Settlement, Any, BaseException | None]] = []
+        for lease in leases:
+            settlement = lease.settlement
+            assert settlement is not None
+            try:
+                results.append((lease, settlement, settlement.attempt(), None))
+            except Exception as exc:  # StoreError, or a pool that cannot hand out a connection
+                results.append((lease, settlement, None, exc))
+        finished: list[tuple[Settlement, Any, BaseException | None]] = []
+        with self._cond:
+            now = time.monotonic()
+            for lease, settlement, result, error in results:
+                lease.in_flight = False
+                if error is not None and now < settlement.deadline:
+                    settlement.pause = min(settlement.pause * 2, MAX_PAUSE)
+                    lease.next_due = now + settlement.pause
+                    continue
+                lease.settlement = None
+                lease.done = True
+                self._leases.discard(lease)
+                self.pending -= 1
+                self.pending_bytes -= settlement.size
+                finished.append((settlement, result, error))
+            self._cond.notify_all()
+        for settlement, result, error in finished:
+            if error is None:
+                settlement.landed(result)
+            else:
+                settlement.gave_up(error)
 
     def _engine(self, store: DurableStore) -> Engine:
         """The store's engine with a pool of the renewer's own.

@@ -57,8 +57,16 @@ class Ownership:
         if not settings.heartbeat:
             return
         self.lease = heartbeat.start(
-            self.state.store, self.claim, self.options.lease, settings.max_runtime, self._report
+            self.state.store,
+            self.claim,
+            self.lease_seconds,
+            settings.max_runtime,
+            self.report_lease,
         )
+
+    @property
+    def lease_seconds(self) -> float:
+        return self.options.lease
 
     def stop_heartbeat(self) -> None:
         lease, self.lease = self.lease, None
@@ -74,7 +82,8 @@ class Ownership:
         if self.lease is not None and not self.settled:
             heartbeat.resume(self.lease)
 
-    def _report(self, reason: str) -> None:  # runs on the renewal thread
+    def report_lease(self, reason: str) -> None:
+        """The renewer's report that the lease could not be renewed (on its thread)."""
         log.warning(
             "idempotency: the lease on %s could not be renewed (%s)",
             self.ident.key_digest[:16],

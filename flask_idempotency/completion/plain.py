@@ -9,23 +9,21 @@ after-commit steps.
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 
 from flask import Response
 
 from .. import signals
 from ..config import TRANSIENT_STATUSES
-from ..records import Claim, Completed, StoredResponse
+from ..records import Completed, StoredResponse
 from ..responses import capture
 from ..store import StoreError
+from . import deferred
 from .ownership import Ownership
 from .unit import abandon
 
 log = logging.getLogger("flask_idempotency")
-
-#: Pauses between attempts to store a response while the database is unreachable.
-_COMPLETE_RETRY_PAUSES = (0.05, 0.2, 0.5)
 
 
 def release_reason(own: Ownership, status: int) -> str | None:
@@ -42,7 +40,7 @@ def release_reason(own: Ownership, status: int) -> str | None:
 
 
 def store(own: Ownership, response: Response) -> Response:
-    """Complete the record with ``response``; the answer the client gets (C14, C23)."""
+    """Complete the record with ``response``; the answer the client gets (C14, C23, C55)."""
     state = own.state
     try:
         stored = capture(response, state.settings)
@@ -50,37 +48,24 @@ def store(own: Ownership, response: Response) -> Response:
         release(own, "exception", response.status_code)  # a stream that failed mid-buffer
         raise
     try:
-        expires_at_ms = _complete_with_retries(own, stored)
+        expires_at_ms = state.store.complete(own.claim, stored)
     except StoreError as exc:
-        # The view ran; its client still gets the answer. The claim stays until its
-        # lease lapses, so a retry waits rather than running the view again at once.
-        log.error(
-            "idempotency: could not store the response for %s: %s", own.ident.key_digest[:16], exc
+        # The view ran; its client gets its answer now. The record is completed by this
+        # process in the background once the store answers again (C55).
+        deferred.keep(
+            own,
+            "complete",
+            lambda: state.store.complete(own.claim, stored),
+            functools.partial(_deferred_completion_landed, own, stored),
+            size=len(stored.body),
+            error=exc,
         )
-        own.emit(signals.store_error, tier="database", error=str(exc), action="complete")
         return response
     if expires_at_ms is None:
         own.lease_lost("complete")
         return response
     completed(own, stored, expires_at_ms)
     return response
-
-
-def _complete_with_retries(own: Ownership, stored: StoredResponse) -> int | None:
-    """Store the response, riding out a short database blip (a failover, a restart).
-
-    The view's effects already happened: if the response cannot be stored, a retry
-    after the lease would run the view a second time, so it is worth holding this
-    client's answer back a moment longer for a few more attempts.
-    """
-    claim: Claim = own.claim
-    store = own.state.store
-    for pause in _COMPLETE_RETRY_PAUSES:
-        try:
-            return store.complete(claim, stored)
-        except StoreError:
-            time.sleep(pause)
-    return store.complete(claim, stored)
 
 
 def completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> None:
@@ -92,22 +77,40 @@ def completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> Non
         own.emit(signals.response_stored, status=stored.status, body_omitted=stored.body_omitted)
 
 
+def _deferred_completion_landed(
+    own: Ownership, stored: StoredResponse, expires_at_ms: int | None
+) -> None:
+    if expires_at_ms is None:
+        own.lease_lost("complete")
+    else:
+        completed(own, stored, expires_at_ms)
+
+
 def release(own: Ownership, reason: str, status: int | None) -> bool:
     """Give the key back; ``False`` when it was no longer ours (taken over)."""
     state = own.state
-    digest = own.ident.key_digest
     if own.options.atomic:
         abandon(state.require_db())  # nothing the view wrote survives a release
     try:
         released = state.store.release(own.claim)
     except StoreError as exc:
-        log.error("idempotency: could not release %s: %s", digest[:16], exc)
-        own.emit(signals.store_error, tier="database", error=str(exc), action="release")
+        deferred.keep(
+            own,
+            "release",
+            lambda: state.store.release(own.claim),
+            lambda released: _released(own, bool(released), reason, status),
+            size=0,
+            error=exc,
+        )
         return True
+    return _released(own, released, reason, status)
+
+
+def _released(own: Ownership, released: bool, reason: str, status: int | None) -> bool:
     if not released:
         own.lease_lost("release")
         return False
-    state.wakeups.announce(digest, "released")  # C20: one waiter claims it next (C12)
+    own.state.wakeups.announce(own.ident.key_digest, "released")  # C20: a waiter claims it
     own.emit(signals.claim_released, reason=reason, status=status)
     return True
 

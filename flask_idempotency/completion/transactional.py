@@ -61,8 +61,8 @@ def run(
             return store(own, response, retry=True)
         except Exception as exc:
             sqlstate = unit.retryable_sqlstate(exc)
-            if sqlstate is None:
-                raise
+            if sqlstate is None or (own.unit is not None and own.unit.view_committed):
+                raise  # a view that committed its own writes is never run again (C43)
             own.settled = False
             assert own.unit is not None
             own.unit.rollback()

@@ -50,6 +50,8 @@ log = logging.getLogger("flask_idempotency")
 _OWNED = "flask_idempotency.atomic_owner"
 #: ``session.info`` flag: the commit under way is ours, not the view's.
 _COMMITTING = "flask_idempotency.committing"
+#: ``session.info`` flag: the view committed its own writes (logged outside debug/testing).
+_VIEW_COMMITTED = "flask_idempotency.view_committed"
 _guarded: weakref.WeakSet[Any] = weakref.WeakSet()
 
 #: Levels whose transaction reads one snapshot taken at its first statement.
@@ -118,6 +120,7 @@ def _before_commit(session: Any) -> None:
             raise ViewCommitted(message)
         log.warning("idempotency: %s The commit went ahead without that guarantee.", message)
         session.info.pop(_OWNED, None)
+        session.info[_VIEW_COMMITTED] = True  # its writes are final: never run it again
 
 
 class Unit:
@@ -142,6 +145,7 @@ class Unit:
         """
         session = self.db.session
         _rollback_quietly(session)
+        session.info.pop(_VIEW_COMMITTED, None)
         session.info[_OWNED] = True
         try:
             level = self._level(session)
@@ -222,6 +226,11 @@ class Unit:
         finally:
             session.info.pop(_COMMITTING, None)
             session.info.pop(_OWNED, None)
+
+    @property
+    def view_committed(self) -> bool:
+        """Whether the view committed its own writes: a retry would repeat them (C43)."""
+        return bool(self.db.session.info.get(_VIEW_COMMITTED))
 
     def rollback(self) -> None:
         """Throw the view's writes away: the outcome is not stored, or the attempt is retried."""

@@ -1,0 +1,1 @@
+"""A primary failover under load: Patroni, etcd and two PostgreSQL nodes (issue 25, C55)."""
