@@ -190,8 +190,10 @@ class Idempotency:
         from .tier import RedisTier, store_origin
 
         def origin() -> str:
-            # Resolved on first use: with db= or engine= the engine may not exist yet.
-            return store_origin(store.engine_without_setup().url, store.table.fullname)
+            # Resolved on first use of the tier, once per process: the id the store's
+            # database keeps, never the URL's text (C41). Until it can be read the tier
+            # stays off (store/identity.py), and requests use the database alone.
+            return store_origin(store.identity().id, store.table.fullname)
 
         tier = RedisTier.from_settings(settings, client=self._redis, origin=origin)
         wakeups.channel = tier.notifier

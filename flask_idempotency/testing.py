@@ -362,6 +362,7 @@ def isolated_store(app: Flask) -> Iterator[DurableStore]:
     finally:
         state.store, state.cache = old_store, old_cache
         store.table.drop(store.engine, checkfirst=True)
+        store.identity_table.drop(store.engine, checkfirst=True)
 
 
 class _SaltedCache:
