@@ -32,7 +32,14 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from .fingerprint import ANONYMOUS_SCOPE, authorization_scope, key_digest, with_host
 from .keys import InvalidKey, parse_key
-from .store.maintenance import Maintenance, MaintenanceError, RecordView, TableMissing
+from .store.identity import missing_help
+from .store.maintenance import (
+    IdentityReport,
+    Maintenance,
+    MaintenanceError,
+    RecordView,
+    TableMissing,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -543,14 +550,54 @@ def check_command() -> None:
             " Migrate it to the definition in flask_idempotency/store/table.py."
         )
     click.echo(f"OK: the table {report.table!r} matches what Flask-Idempotency expects.")
+    _check_identity(maintenance.check_identity())
     _check_redis_tier()
+
+
+def _check_identity(report: IdentityReport) -> None:
+    """The store's identity (``<table>_store``), which names its records in Redis (C41):
+    missing is an error with a Redis tier (it stays off until the table is there), a
+    warning without one."""
+    from .state import redis_target
+
+    state = _state()
+    table = printable(report.table)
+    if not report.exists:
+        help_text = printable(
+            missing_help(state.store.table.name, migrations=_uses_migrations()), keep_lines=True
+        )
+        if redis_target(state.settings, state.extension._redis) is None:
+            click.echo(f"warning: {help_text} (needed once IDEMPOTENCY_REDIS_URL is set)", err=True)
+            return
+        raise click.ClickException(help_text)
+    for warning in report.warnings:
+        click.echo(f"warning: {printable(warning)}", err=True)
+    if report.errors:
+        for error in report.errors:
+            click.echo(f"  - {printable(error)}", err=True)
+        raise click.ClickException(
+            f"the table {table!r} does not match what Flask-Idempotency expects"
+            " (problems above). Migrate it to the definition in"
+            " flask_idempotency/store/identity.py."
+        )
+    if report.identity is None:
+        click.echo(
+            f"OK: the table {table!r} is there; the store's identity is written by the"
+            " first process that uses Redis."
+        )
+        return
+    click.echo(
+        f"OK: the table {table!r} holds the store's identity {printable(report.identity.id)}"
+        f" (written {_iso(report.identity.created_at_ms)})."
+    )
 
 
 @idempotency_cli.command("create-table")
 @click.option("--sql", "sql_only", is_flag=True, help="Print the DDL instead of running it.")
 @database_errors
 def create_table_command(sql_only: bool) -> None:
-    """Create the records table, for apps that do not manage it with migrations."""
+    """Create the records table and its identity, for apps that do not manage them with
+    migrations."""
     maintenance = _maintenance()
     if sql_only:
         click.echo(maintenance.create_ddl())
@@ -563,11 +610,21 @@ def create_table_command(sql_only: bool) -> None:
             "or, without Flask-Migrate, db.create_all() in an app context;"
             " `flask idempotency create-table --sql` prints the DDL."
         )
-    if maintenance.table_exists():
+    missing = [
+        table.name
+        for table, exists in (
+            (maintenance.table, maintenance.table_exists()),
+            (maintenance.identity_table, maintenance.identity_table_exists()),
+        )
+        if not exists
+    ]
+    if not missing:
         click.echo(f"The table {maintenance.table.name!r} already exists; nothing to do.")
         return
     maintenance.create_table()
-    click.echo(f"Created the table {maintenance.table.name!r}.")
+    for name in missing:
+        what = " (the store's identity, C41)" if name == maintenance.identity_table.name else ""
+        click.echo(f"Created the table {name!r}{what}.")
 
 
 #: How long ``check`` gives the wake-up listener to confirm its subscription.
@@ -610,3 +667,8 @@ def _check_redis_tier() -> None:
             " (is pub/sub allowed on this Redis?)."
         )
     click.echo(f"  wake-up listener: live (subscribed to {listener.channel!r})")
+    from .tier import store_origin
+
+    store = state.store
+    origin = store_origin(store.identity().id, store.table.fullname)
+    click.echo(f"  origin: {origin} (names this store's records: its identity and table)")

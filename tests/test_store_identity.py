@@ -365,6 +365,88 @@ def test_i26_6_c41_the_identity_is_read_once_per_process_not_per_request(
     assert statements[0].lstrip().upper().startswith("SELECT")
 
 
+# -- no identity: the Redis tier stays off, requests stay protected (C45) ------------------------
+
+
+def test_i26_6_c45_a_missing_identity_keeps_redis_off_and_says_what_to_run(
+    make_app: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deployment that upgraded the library but not its database: the identity table is
+    missing and ``create_table`` is off. No cached record can be told from another store's,
+    so the Redis tier stays off: nothing is written to Redis or read from it, and every
+    request is still decided by the database (one execution, replays from there). It is
+    logged at ERROR, once, with the command; ``check`` fails with the same; once the
+    operator creates it, the tier comes back without a restart."""
+    from flask_idempotency.store import sql
+
+    monkeypatch.setattr(sql, "IDENTITY_RETRY_MISSING", 0.0)
+    server = fakeredis.FakeServer()
+    spy = fakeredis.FakeRedis(server=server)
+    app, _ = make_app(redis=fakeredis.FakeRedis(server=server))
+    store = app.extensions["idempotency"].store
+    store.identity_table.drop(store.engine)
+    calls: list[int] = []
+    sources: list[str] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        calls.append(1)
+        return jsonify(n=len(calls)), 201
+
+    signals.request_replayed.connect(
+        lambda sender, **extra: sources.append(extra["source"]), app, weak=False
+    )
+    runner = app.test_cli_runner()
+    checked = runner.invoke(args=["idempotency", "check"])
+    assert checked.exit_code == 1, checked.output
+    assert "idempotency_keys_store" in checked.output
+    assert "flask idempotency create-table" in checked.output
+
+    client = app.test_client()
+    with caplog.at_level("INFO", logger="flask_idempotency"):
+        answers = [client.post("/pay", json={}, headers={"Idempotency-Key": "k"}) for _ in range(4)]
+    assert [a.status_code for a in answers] == [201] * 4
+    assert calls == [1]
+    assert [a.headers.get("Idempotent-Replayed") for a in answers[1:]] == ["true"] * 3
+    assert sources == ["database"] * 3
+    assert spy.keys("*") == []  # not one name in Redis: it cannot know which are its own
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert "idempotency_keys_store" in errors[0].getMessage()
+    assert "flask idempotency create-table" in errors[0].getMessage()
+
+    created = runner.invoke(args=["idempotency", "create-table"])
+    assert created.exit_code == 0, created.output
+    assert "Created the table 'idempotency_keys_store'" in created.output
+    assert "'idempotency_keys'" not in created.output  # that one was there already
+
+    # The tier resumes once its back-off lets a request through (C24): records cached again.
+    def cached_again() -> bool:
+        client.post("/pay", json={}, headers={"Idempotency-Key": "k"})
+        return bool(spy.keys("*:{*}"))
+
+    from tests.support.waiting import wait_until
+
+    wait_until(cached_again, "the Redis tier back in use", within=15)
+    assert calls == [1]
+    checked = runner.invoke(args=["idempotency", "check"])
+    assert checked.exit_code == 0, checked.output
+    assert f"the store's identity {store.identity().id}" in checked.output
+    assert "origin: " in checked.output
+
+
+def test_i26_6_c41_without_redis_a_missing_identity_is_only_a_warning(make_app: Any) -> None:
+    """Only the Redis tier reads the identity: without one, ``check`` warns and passes."""
+    app, _ = make_app()
+    store = app.extensions["idempotency"].store
+    store.identity_table.drop(store.engine)
+    result = app.test_cli_runner().invoke(args=["idempotency", "check"])
+    assert result.exit_code == 0, result.output
+    assert "warning: the table 'idempotency_keys_store'" in result.output
+    assert "needed once IDEMPOTENCY_REDIS_URL is set" in result.output
+
+
 def test_i26_6_c25_a_database_down_at_first_use_is_a_503_and_nothing_in_redis(
     tmp_path: Path,
 ) -> None:
