@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import sys
 import time
-import unicodedata
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import click
@@ -30,6 +27,7 @@ from flask import current_app
 from flask.cli import AppGroup
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from .cli_render import iso, moment, printable, relative
 from .fingerprint import ANONYMOUS_SCOPE, authorization_scope, key_digest, with_host
 from .keys import InvalidKey, parse_key
 from .store.identity import missing_help
@@ -50,44 +48,6 @@ _PROGRESS_EVERY_SECONDS = 5.0
 
 
 # -- plumbing --------------------------------------------------------------------------
-
-#: Characters looked at by :func:`printable`: all but printable ASCII other than ``\``.
-_SUSPECT = re.compile(r"[^\x20-\x5b\x5d-\x7e]")
-#: Unicode categories a terminal acts on or may hide: controls (C0, DEL, C1: escape
-#: sequences, bells, carriage returns), format characters (bidirectional overrides,
-#: zero-width characters), line and paragraph separators, surrogates, unassigned.
-_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"})
-
-
-def printable(text: str, *, keep_lines: bool = False) -> str:
-    r"""``text`` as a terminal may show it: every unsafe character escaped.
-
-    ``\x1b`` for a character below U+0080, ``\u202e`` (``\U…``) above; a byte
-    that was not UTF-8 (decoded with ``surrogateescape``) as ``\xff``; ``\``
-    itself as ``\\``, so the rendering is unambiguous. ``keep_lines``: newlines
-    and tabs stay (a body's layout); otherwise they are escaped too, so a value
-    cannot start a line of its own.
-    """
-    return _SUSPECT.sub(_escape_keeping_lines if keep_lines else _escape, text)
-
-
-def _escape(match: re.Match[str]) -> str:
-    char = match.group()
-    if char == "\\":
-        return "\\\\"
-    if unicodedata.category(char) not in _UNSAFE_CATEGORIES:
-        return char
-    code = ord(char)
-    if code < 0x80:
-        return f"\\x{code:02x}"
-    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
-        return f"\\x{code - 0xDC00:02x}"
-    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
-
-
-def _escape_keeping_lines(match: re.Match[str]) -> str:
-    char = match.group()
-    return char if char in "\n\t" else _escape(match)
 
 
 def _stdout_is_terminal() -> bool:
@@ -147,36 +107,6 @@ def _missing_table_help(what: str) -> str:
         f"  flask idempotency create-table\n"
         f"or have your DBA run the statements of `flask idempotency create-table --sql`."
     )
-
-
-def _iso(ms: int | None) -> str:
-    if ms is None:
-        return "-"
-    moment = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _relative(ms: int | None, now_ms: int) -> str:
-    if ms is None:
-        return ""
-    delta = (ms - now_ms) / 1000
-    span = _span(abs(delta))
-    return f" (in {span})" if delta >= 0 else f" ({span} ago)"
-
-
-def _moment(ms: int | None, now_ms: int) -> str:
-    """ISO-8601 UTC, and how far from now: what an operator reading a record wants."""
-    return _iso(ms) + _relative(ms, now_ms)
-
-
-def _span(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{seconds // 60:.0f}m {seconds % 60:.0f}s"
-    if seconds < 86400:
-        return f"{seconds // 3600:.0f}h {seconds % 3600 // 60:.0f}m"
-    return f"{seconds // 86400:.0f}d {seconds % 86400 // 3600:.0f}h"
 
 
 # -- prune -----------------------------------------------------------------------------
@@ -289,15 +219,15 @@ def stats_command(as_json: bool) -> None:
         return
     now = stats.now_ms
     lines = [
-        f"Table {printable(maintenance.table.name)} at {_iso(now)} (database clock)",
+        f"Table {printable(maintenance.table.name)} at {iso(now)} (database clock)",
         f"  records                 {stats.total}",
         f"  completed               {stats.completed}",
         f"  in progress             {stats.in_progress}",
         f"    with a lapsed lease   {stats.stale_leases}",
         f"  expired, awaiting prune {stats.prunable}",
-        "  oldest in progress      created " + _moment(stats.oldest_in_progress_created_ms, now),
-        "  earliest lease expiry   " + _moment(stats.oldest_in_progress_lease_ms, now),
-        "  earliest record expiry  " + _moment(stats.oldest_expiry_ms, now),
+        "  oldest in progress      created " + moment(stats.oldest_in_progress_created_ms, now),
+        "  earliest lease expiry   " + moment(stats.oldest_in_progress_lease_ms, now),
+        "  earliest record expiry  " + moment(stats.oldest_expiry_ms, now),
     ]
     click.echo("\n".join(lines))
 
@@ -415,17 +345,17 @@ def _describe_record(record: RecordView) -> list[str]:
         f"scope          {printable(record.scope)}",
         f"state          {printable(record.state)}",
         f"request        {printable(record.method)} {printable(record.path)}",
-        f"created        {_iso(record.created_at_ms)}{_relative(record.created_at_ms, now)}",
-        f"expires        {_iso(record.expires_at_ms)}{_relative(record.expires_at_ms, now)}",
+        f"created        {iso(record.created_at_ms)}{relative(record.created_at_ms, now)}",
+        f"expires        {iso(record.expires_at_ms)}{relative(record.expires_at_ms, now)}",
     ]
     if record.lease_expires_at_ms is not None:
         lines.append(
-            f"lease until    {_iso(record.lease_expires_at_ms)}"
-            f"{_relative(record.lease_expires_at_ms, now)}"
+            f"lease until    {iso(record.lease_expires_at_ms)}"
+            f"{relative(record.lease_expires_at_ms, now)}"
         )
     if record.completed_at_ms is not None:
         lines.append(
-            f"completed      {_iso(record.completed_at_ms)}{_relative(record.completed_at_ms, now)}"
+            f"completed      {iso(record.completed_at_ms)}{relative(record.completed_at_ms, now)}"
         )
     if record.response_status is not None:
         size = record.body_size or 0

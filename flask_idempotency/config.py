@@ -37,6 +37,8 @@ NEVER_REPLAYED = frozenset(
 #: Statuses a view may answer that say "try again later": the claim is released,
 #: never stored (C16).
 TRANSIENT_STATUSES = frozenset({408, 409, 423, 425, 429})
+#: Statuses that answer who is asking, not what was done: released, never stored (C16).
+CALLER_STATUSES = frozenset({401, 403})
 
 #: Isolation levels a transactional route may ask for, as SQL spells them (C43).
 ISOLATION_LEVELS = frozenset({"READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"})
@@ -76,6 +78,11 @@ class Settings:
     store_server_errors: bool = False
     #: Largest response body stored whole; larger ones are stored without their body (C33).
     max_body_bytes: int = 1_048_576
+    #: Largest request body a protected request may send, in bytes: the layer reads and
+    #: fingerprints the body before the view (and any authentication decorator on it)
+    #: runs, so past this it answers 413 ``request-too-large`` without reading it. ``0``
+    #: leaves only Flask's ``MAX_CONTENT_LENGTH``.
+    max_request_bytes: int = 10_485_760
     #: Response headers stored and replayed. ``Set-Cookie``, ``Date``, ``Retry-After``,
     #: ``Content-Length``, ``WWW-Authenticate`` and hop-by-hop headers are refused.
     replay_headers: frozenset[str] = frozenset(
@@ -158,6 +165,9 @@ class Settings:
         max_body_bytes = _integer(self.max_body_bytes, "IDEMPOTENCY_MAX_BODY_BYTES")
         if max_body_bytes < 0:
             raise ValueError("IDEMPOTENCY_MAX_BODY_BYTES must not be negative.")
+        max_request_bytes = _integer(self.max_request_bytes, "IDEMPOTENCY_MAX_REQUEST_BYTES")
+        if max_request_bytes < 0:
+            raise ValueError("IDEMPOTENCY_MAX_REQUEST_BYTES must not be negative.")
         max_waiters = _integer(self.max_waiters, "IDEMPOTENCY_MAX_WAITERS")
         if max_waiters < 0:
             raise ValueError("IDEMPOTENCY_MAX_WAITERS must not be negative.")
@@ -196,6 +206,7 @@ class Settings:
             wait=wait,
             key_max_length=key_max_length,
             max_body_bytes=max_body_bytes,
+            max_request_bytes=max_request_bytes,
             max_waiters=max_waiters,
             redis_socket_timeout=_seconds(
                 self.redis_socket_timeout, "IDEMPOTENCY_REDIS_SOCKET_TIMEOUT"

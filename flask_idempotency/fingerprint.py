@@ -95,7 +95,9 @@ _MIMETYPES_MAX = 256
 
 def key_digest(scope: str, key: str) -> str:
     """The name of a record everywhere outside the request: database, Redis, logs (C22, C30)."""
-    scope_bytes = scope.encode("utf-8")
+    # surrogatepass: a scope with lone surrogates (bytes a loader decoded with
+    # surrogateescape) still names exactly one record (issue 22.6).
+    scope_bytes = scope.encode("utf-8", "surrogatepass")
     key_bytes = key.encode("utf-8")
     return hashlib.sha256(
         b"".join(

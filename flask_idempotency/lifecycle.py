@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from flask import Flask, Response, after_this_request, current_app, has_request_context, request
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from . import forms, signals
 from .completion import settle as completion
@@ -37,9 +38,15 @@ from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, 
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
 from .notify import wait_for_owner
-from .problems import InvalidKeyProblem, MissingKey, RequestInProgress, StoreUnavailable
+from .problems import (
+    InvalidKeyProblem,
+    MissingKey,
+    RequestInProgress,
+    StoreUnavailable,
+)
 from .problems import KeyReused as KeyReusedProblem
 from .records import Claim, Completed, Identity, Record
+from .request_body import cap_body, too_large
 from .responses import replay
 from .store import StoreError, StoreMisconfigured
 
@@ -174,25 +181,26 @@ def _decide_request(
         # joins repeated header lines into one value, so it never holds more than one
         # (``getlist`` would scan the whole environ).
         header = req.environ.get(settings.header_environ_key)
-        key = (
-            parse_key([header], strict=settings.strict_header, max_length=settings.key_max_length)
-            if header is not None
-            else forms.key_from_form(req, settings)  # C49: no header, maybe a form field
-        )
+        if header is not None:
+            key = parse_key(
+                [header], strict=settings.strict_header, max_length=settings.key_max_length
+            )
+        else:  # C49: no header, maybe a form field (Werkzeug's form limits apply there)
+            key = forms.key_from_form(req, settings)
     except InvalidKey as exc:
         raise InvalidKeyProblem(str(exc)) from None  # C3
     if key is None:
         if options.required:
             raise MissingKey(f"This endpoint requires an {settings.header} header.")  # C4
         return None
+    if header is not None:
+        cap_body(req, settings.max_request_bytes)
     scope = state.scope_for_request(req, app)
-    ident = Identity(
-        scope,
-        key_digest(scope, key),
-        request_fingerprint(req, forms.omitted_fields(settings, app.config)),
-        method,
-        req.path,
-    )
+    try:
+        fingerprint = request_fingerprint(req, forms.omitted_fields(settings, app.config))
+    except RequestEntityTooLarge:  # a body without Content-Length ran past the cap
+        raise too_large(settings.max_request_bytes) from None
+    ident = Identity(scope, key_digest(scope, key), fingerprint, method, req.path)
     guard_locks = options.atomic
 
     def look_up() -> tuple[Outcome, str]:

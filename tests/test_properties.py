@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from flask_idempotency import Idempotency, idempotent
-from flask_idempotency.config import TRANSIENT_STATUSES, Settings
+from flask_idempotency.config import CALLER_STATUSES, TRANSIENT_STATUSES, Settings
 from flask_idempotency.fingerprint import key_digest, request_fingerprint
 from flask_idempotency.keys import InvalidKey, parse_key
 from flask_idempotency.records import Claim, Completed, Identity, Record, StoredResponse
@@ -294,7 +294,7 @@ STORED_STATUSES = [
         399,
         499,
     ]
-    if s not in TRANSIENT_STATUSES
+    if s not in TRANSIENT_STATUSES and s not in CALLER_STATUSES
 ]
 
 

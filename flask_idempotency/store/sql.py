@@ -215,6 +215,17 @@ class DurableStore(StoreEngines):
         would queue behind that commit; guarded, it gives up after a moment and
         reads the record instead, so the duplicate parks or answers 409.
         """
+        try:
+            return self._acquire(ident, ttl, lease, guard_locks)
+        except UnicodeEncodeError:
+            # The connection's client encoding cannot carry the scope or the path (a
+            # LATIN1 database, say). They are informational columns (the record is named
+            # by the digest), so they are stored escaped instead (issue 22.6).
+            return self._acquire(ident.in_ascii(), ttl, lease, guard_locks)
+
+    def _acquire(
+        self, ident: Identity, ttl: float, lease: float, guard_locks: bool
+    ) -> Claim | Record:
         if not self._verified:
             self.verify_table()
         ttl_ms, lease_ms = int(ttl * 1000), int(lease * 1000)
