@@ -518,7 +518,7 @@ def _check_identity(report: IdentityReport) -> None:
         return
     click.echo(
         f"OK: the table {table!r} holds the store's identity {printable(report.identity.id)}"
-        f" (written {_iso(report.identity.created_at_ms)})."
+        f" (written {iso(report.identity.created_at_ms)})."
     )
 
 
