@@ -19,6 +19,7 @@ from .notify import WakeupHub
 from .state import AppState, describe_url, redis_target
 from .store import DurableStore
 from .store.connect import lazy_engine
+from .store.drivers import check_driver
 
 EXTENSION_NAME = "idempotency"
 log = logging.getLogger("flask_idempotency")
@@ -173,6 +174,7 @@ class Idempotency:
                 uri = "sqlite:///" + os.path.join(app.instance_path, "idempotency.sqlite3")
                 if create_table is None:
                     create_table = True  # the embedded default sets itself up
+            check_driver(uri)  # a missing driver fails here, not at the first request (C51)
             factory = lazy_engine(uri)
         return DurableStore(
             factory,

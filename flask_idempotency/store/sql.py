@@ -271,6 +271,12 @@ class DurableStore(StoreEngines):
                 return self._claim_or_read_direct(direct, ident, token, ttl_ms, lease_ms)
             # A literal % in the table name would read as a placeholder in the driver's SQL.
             single = None if "%" in self.table.fullname else self._single()
+            if (
+                single is not None
+                and self.async_claim
+                and of(single).async_claim_prefix(single.dialect.driver) is None
+            ):
+                single = None  # psycopg 3 through SQLAlchemy: the setting needs a transaction
             if single is not None:
                 return self._run(
                     functools.partial(
