@@ -298,11 +298,10 @@ def test_i11_c26_pooled_connection_closed_on_the_client_is_invalidated_and_retri
 AWKWARD_TEXT = ["", "plain", "o'brien", "back\\slash", "%(p_scope)s", "100%", "é ü €", "tab\there"]
 
 
+@pytest.mark.parametrize("store", ["psycopg2"], indirect=True)  # its literal writer
 def test_i11_literals_are_written_exactly_as_psycopg2_writes_them(store) -> None:
     """The direct path writes its parameters into the statement itself: byte for byte
     what psycopg2's own quoting writes, for every kind of value the store sends."""
-    if store.engine.dialect.driver != "psycopg2":
-        pytest.skip("psycopg2's literal writer; psycopg 3 binds on the server")
     from flask_idempotency._wire.psycopg2 import _literal
 
     values: list[Any] = [*AWKWARD_TEXT, 0, 7, 2**62, -3, True, False, None]
@@ -318,12 +317,11 @@ def test_i11_literals_are_written_exactly_as_psycopg2_writes_them(store) -> None
         conn.close()
 
 
+@pytest.mark.parametrize("store", ["psycopg2"], indirect=True)  # its literal writer
 def test_i11_statements_are_written_exactly_as_psycopg2_writes_them(store) -> None:
     """Each run of a statement writes its values into it in one step when they are plain
     text and non-negative integers of their columns' types, else value by value: either
     way byte for byte what psycopg2 writes for the statement's template and values."""
-    if store.engine.dialect.driver != "psycopg2":
-        pytest.skip("psycopg2's literal writer; psycopg 3 binds on the server")
     store.acquire(identity_of("warm"), ttl=60, lease=30)  # compiles the claim
     statements = [
         store._direct_sql("claim", store._at_once_statement),
