@@ -16,11 +16,10 @@ from .completion.unit import guard_sessions
 from .config import ConfigVars, EffectiveOptions, Settings
 from .jobs import Once
 from .notify import WakeupHub
-from .state import AppState, describe_url, redis_target
+from .state import EXTENSION_NAME, AppState, describe_url, redis_target
 from .store import DurableStore
 from .store.connect import lazy_engine
 
-EXTENSION_NAME = "idempotency"
 log = logging.getLogger("flask_idempotency")
 
 

@@ -50,6 +50,8 @@ log = logging.getLogger("flask_idempotency")
 
 #: Attribute ``@idempotent`` sets on a view function.
 ROUTE_OPTIONS_ATTR = "__idempotency_options__"
+#: On the guard ``@idempotent`` returns: the view it guards, which the layer calls itself.
+GUARDED_ATTR = "__idempotency_guarded__"
 #: Header on a response the view produced without protection (``IDEMPOTENCY_FAIL_OPEN``).
 UNPROTECTED_HEADER = "Idempotency-Unprotected"
 _STORE_RETRY_AFTER = 3.0
@@ -114,7 +116,8 @@ def _marked(view: Callable[..., Any]) -> bool:
 def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper that stands for ``view``: decide, run the view as the owner, settle."""
     state: AppState = app.extensions["idempotency"]
-    run_view = app.ensure_sync(view)  # a coroutine view runs as Flask would run it
+    # The view itself, not the guard that refuses to run it in an app without the layer.
+    run_view = app.ensure_sync(getattr(view, GUARDED_ATTR, view))  # a coroutine view as Flask
     # A view function's own options are fixed; a class-based view's depend on the method.
     fixed: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
 

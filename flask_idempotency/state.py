@@ -38,6 +38,8 @@ class Extension(Protocol):
     _scope_loader: Callable[[], Any] | None
 
 
+#: The key of :class:`AppState` in ``app.extensions``.
+EXTENSION_NAME = "idempotency"
 #: Routes whose merged options :meth:`AppState.effective_options` keeps.
 _OPTIONS_KEPT = 1024
 log = logging.getLogger("flask_idempotency")

@@ -1,0 +1,150 @@
+"""Misuse fails loudly (issue 23 items 1-4; CONTRACT C56).
+
+- A view marked ``@idempotent`` in an app that never initialised the extension
+  refuses to run, with "did you forget to call init_app?", instead of running
+  unprotected on every request.
+- A marked route none of whose methods can ever be protected (GET only, PUT
+  without ``methods=``) is named in one WARNING at the first request.
+- ``IDEMPOTENCY_ENABLED = False`` turns the layer off for an app: marked views
+  run plainly, and neither the store nor Redis is touched.
+- A malformed or clashing setting names the setting (and the default it clashes
+  with); ``flask idempotency show`` names the scope it searched; a response too
+  large to store is named once per endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from flask import Blueprint, Flask, jsonify
+from flask.views import MethodView
+
+from flask_idempotency import Idempotency, idempotent
+
+KEY = {"Idempotency-Key": "key-1"}
+
+
+def _app(tmp_path: Any, name: str = "misuse", **config: Any) -> Flask:
+    app = Flask(name, instance_path=str(tmp_path / name))
+    app.config["IDEMPOTENCY_DATABASE_URI"] = f"sqlite:///{tmp_path}/{name}.sqlite3"
+    app.config["IDEMPOTENCY_CREATE_TABLE"] = True
+    app.config.update(config)
+    return app
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "flask_idempotency" and r.levelno == logging.WARNING
+    ]
+
+
+# -- item 1: a marked view in an app without the extension ----------------------------------
+
+
+def test_i23_1_c56_a_marked_view_without_init_app_refuses_to_run(tmp_path) -> None:
+    """C56: required=True, no key, no init_app: not 201 three times, but an error naming
+    init_app, and the view never runs."""
+    app = _app(tmp_path)
+    calls: list[int] = []
+
+    @app.post("/refunds")
+    @idempotent(required=True)
+    def refund():
+        calls.append(1)
+        return jsonify(ok=True), 201
+
+    app.testing = True
+    client = app.test_client()
+    with pytest.raises(RuntimeError, match="init_app") as raised:
+        client.post("/refunds")
+    assert "'refund'" in str(raised.value) and "not initialised" in str(raised.value)
+    app.testing = False  # in production: a 500 (Flask logs the error), never a silent 201
+    for _ in range(2):
+        assert client.post("/refunds").status_code == 500
+    assert calls == []
+
+
+def test_i23_1_c56_a_blueprint_refuses_only_in_the_app_without_init_app(tmp_path) -> None:
+    """C56 with blueprints and app factories: the same marked view on two apps; the one
+    that initialised the extension protects it, the other refuses it."""
+    bp = Blueprint("shop", __name__)
+    calls: list[str] = []
+
+    @bp.post("/orders")
+    @idempotent
+    def order():
+        calls.append("order")
+        return jsonify(n=len(calls)), 201
+
+    def create_app(name: str, with_extension: bool) -> Flask:
+        app = _app(tmp_path, name)
+        app.register_blueprint(bp)
+        if with_extension:
+            Idempotency().init_app(app)  # after the blueprint: the factory order
+        app.testing = True
+        return app
+
+    good, bad = create_app("good", True), create_app("bad", False)
+    first = good.test_client().post("/orders", headers=KEY)
+    again = good.test_client().post("/orders", headers=KEY)
+    assert first.status_code == 201 and again.headers.get("Idempotent-Replayed") == "true"
+    with pytest.raises(RuntimeError, match=r"'shop\.order'.*init_app"):
+        bad.test_client().post("/orders", headers=KEY)
+    assert calls == ["order"]
+
+
+def test_i23_1_c56_a_class_based_view_without_init_app_refuses_to_run(tmp_path) -> None:
+    class Payments(MethodView):
+        @idempotent
+        def post(self):
+            return jsonify(ok=True), 201
+
+        def get(self):
+            return jsonify(listed=True)
+
+    app = _app(tmp_path)
+    app.add_url_rule("/payments", view_func=Payments.as_view("payments"))
+    app.testing = True
+    client = app.test_client()
+    assert client.get("/payments").status_code == 200  # unmarked handler: untouched
+    with pytest.raises(RuntimeError, match="init_app"):
+        client.post("/payments", headers=KEY)
+
+    protected = _app(tmp_path, "protected")
+    protected.add_url_rule("/payments", view_func=Payments.as_view("payments"))
+    Idempotency(protected)
+    client = protected.test_client()
+    assert client.post("/payments", headers=KEY).status_code == 201
+    assert client.post("/payments", headers=KEY).headers.get("Idempotent-Replayed") == "true"
+
+
+def test_i23_1_a_marked_function_still_runs_as_a_plain_function() -> None:
+    """Outside any app (a unit test calling the view function) it is just a function."""
+
+    @idempotent(required=True)
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    assert add(2, 3) == 5
+    assert add.__name__ == "add"
+
+
+def test_i23_1_a_protected_request_never_runs_the_guard(make_app) -> None:
+    """The layer calls the view itself: the guard costs a protected request nothing."""
+    from tests.test_request_state import _calls_into_the_package
+
+    app, _ = make_app()
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        return jsonify(paid=True), 201
+
+    client = app.test_client()
+    assert client.post("/pay", headers=KEY).status_code == 201
+    entered = _calls_into_the_package(lambda: client.post("/pay", headers=KEY))
+    assert entered and "guarded" not in entered and "_require_extension" not in entered
