@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Flask, Response, after_this_request, current_app, has_request_context, request
 
-from . import forms, signals
+from . import forms, misuse, signals
 from .completion import settle as completion
 from .completion.ownership import Ownership
 from .config import EffectiveOptions, RouteOptions
@@ -106,6 +106,12 @@ def protect_views(app: Flask) -> None:
     for endpoint, view in list(views.items()):
         if not getattr(view, _PROTECTED_ATTR, False) and _marked(view):
             views[endpoint] = _protect(app, view)
+            misuse.warn_unprotectable(
+                app,
+                app.extensions["idempotency"],
+                endpoint,
+                functools.partial(_route_options, view),
+            )
 
 
 def _marked(view: Callable[..., Any]) -> bool:

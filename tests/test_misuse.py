@@ -148,3 +148,80 @@ def test_i23_1_a_protected_request_never_runs_the_guard(make_app) -> None:
     assert client.post("/pay", headers=KEY).status_code == 201
     entered = _calls_into_the_package(lambda: client.post("/pay", headers=KEY))
     assert entered and "guarded" not in entered and "_require_extension" not in entered
+
+
+# -- item 2: a marked route none of whose methods can be protected --------------------------
+
+
+def _first_request_warnings(app: Flask, caplog: pytest.LogCaptureFixture, path: str) -> list[str]:
+    caplog.set_level(logging.WARNING, logger="flask_idempotency")
+    client = app.test_client()
+    client.open(path, method="GET")
+    client.open(path, method="GET")
+    return [w for w in _warnings(caplog) if "@idempotent" in w]
+
+
+def test_i23_2_c56_a_get_only_marked_route_is_named_once_at_the_first_request(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = _app(tmp_path)
+
+    @app.get("/report")
+    @idempotent
+    def report():
+        return jsonify(ok=True)
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        return jsonify(ok=True), 201
+
+    Idempotency(app)
+    [warning] = _first_request_warnings(app, caplog, "/report")
+    assert "'report'" in warning and "GET, HEAD, OPTIONS" in warning
+    assert "(PATCH, POST)" in warning and "IDEMPOTENCY_METHODS" in warning
+    assert "methods=" in warning and "unprotected" in warning
+
+
+def test_i23_2_c56_a_put_route_is_named_unless_put_is_keyed(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = _app(tmp_path)
+
+    @app.put("/items/<int:n>")
+    @idempotent
+    def replace_item(n: int):
+        return jsonify(n=n)
+
+    @app.put("/things/<int:n>")
+    @idempotent(methods=["PUT"])
+    def replace_thing(n: int):
+        return jsonify(n=n)
+
+    @app.route("/both", methods=["GET", "POST"])
+    @idempotent
+    def both():
+        return jsonify(ok=True)
+
+    Idempotency(app)
+    warnings = _first_request_warnings(app, caplog, "/both")
+    assert len(warnings) == 1
+    assert "'replace_item'" in warnings[0] and "PUT" in warnings[0]
+
+
+def test_i23_2_c56_a_class_based_view_marked_on_get_is_named(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Things(MethodView):
+        @idempotent
+        def get(self):
+            return jsonify(ok=True)
+
+        def post(self):
+            return jsonify(ok=True), 201
+
+    app = _app(tmp_path)
+    app.add_url_rule("/things", view_func=Things.as_view("things"))
+    Idempotency(app)
+    [warning] = _first_request_warnings(app, caplog, "/things")
+    assert "'things'" in warning and "covers GET," in warning
