@@ -46,6 +46,10 @@ ISOLATION_LEVELS = frozenset({"READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE
 class Settings:
     """Configuration of one app, resolved and validated in ``init_app``."""
 
+    #: The layer on or off. ``False`` (tests, local development): views marked
+    #: ``@idempotent`` run plainly on every request, ``once()`` runs its work every time,
+    #: and requests touch neither the store nor Redis (C56).
+    enabled: bool = True
     #: The durable store, source of truth for claims and results. Default: the
     #: ``db=`` or ``engine=`` database, else a SQLite file in the app's instance folder.
     database_uri: str | None = None
@@ -129,6 +133,7 @@ class Settings:
         return settings._validated()
 
     def _validated(self) -> Settings:
+        enabled = _flag(self.enabled, "IDEMPOTENCY_ENABLED")
         methods = _upper_set(self.methods, "IDEMPOTENCY_METHODS")
         if self.replay_headers is None:
             raise ValueError("IDEMPOTENCY_REPLAY_HEADERS must be a list of header names.")
@@ -167,6 +172,7 @@ class Settings:
             raise ValueError("IDEMPOTENCY_PROBLEM_TYPE_BASE must be a URI.")
         return dataclasses.replace(
             self,
+            enabled=enabled,
             methods=methods,
             replay_headers=replay_headers,
             required=_flag(self.required, "IDEMPOTENCY_REQUIRED"),

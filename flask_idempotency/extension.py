@@ -63,11 +63,12 @@ class Idempotency:
         wakeups = WakeupHub(max_waiters=settings.max_waiters)
         cache = self._build_cache(settings, store, wakeups)
         app.extensions[EXTENSION_NAME] = AppState(self, settings, store, cache, wakeups)
-        lifecycle.install(app)
         app.add_template_global(forms.idempotency_key_field, "idempotency_key_field")  # C49
-        got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
-        if self._db is not None:
-            guard_sessions(self._db)
+        if settings.enabled:  # else marked views run plainly: no hook, no store, no Redis (C56)
+            lifecycle.install(app)
+            got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
+            if self._db is not None:
+                guard_sessions(self._db)
         from .cli import idempotency_cli
 
         app.cli.add_command(idempotency_cli)
@@ -148,7 +149,13 @@ class Idempotency:
                 f"cache: Redis {cache}, prefix {settings.redis_prefix!r};"
                 " wake-ups: Redis pub/sub across processes"
             )
-        return f"store: {store}, table {settings.table!r}; {tiers}"
+        described = f"store: {store}, table {settings.table!r}; {tiers}"
+        if not settings.enabled:
+            described += (
+                "; DISABLED (IDEMPOTENCY_ENABLED = False): marked views run unprotected, and"
+                " neither the store nor Redis is used by requests"
+            )
+        return described
 
     # -- building the tiers ---------------------------------------------------------
 

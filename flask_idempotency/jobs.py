@@ -226,6 +226,9 @@ class Once:
             path=name,
         )
         run = Run(ident)
+        if not settings.enabled:  # the layer is off (C56): the work runs, nothing is kept
+            run.owned = True
+            return run
         run._state = state
         run._atomic = self._atomic
         verdict = decide(
@@ -269,6 +272,8 @@ class Once:
         )
 
     def _complete(self, run: Run) -> None:
+        if run._state is None:
+            return  # IDEMPOTENCY_ENABLED = False: nothing to store
         state, claim = run._state, run._claim
         assert state is not None and claim is not None
         _stop_heartbeat(run)  # the completion is fenced; a renewal must not race it
@@ -342,6 +347,8 @@ class Once:
         """Give the key back so the next delivery runs the work (C17, C20)."""
         state, claim = run._state, run._claim
         assert state is not None and claim is not None
+        if run._state is None:
+            return  # IDEMPOTENCY_ENABLED = False: nothing was claimed
         _stop_heartbeat(run)
         run.owned = False
         if run._unit is not None:

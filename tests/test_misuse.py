@@ -225,3 +225,106 @@ def test_i23_2_c56_a_class_based_view_marked_on_get_is_named(
     Idempotency(app)
     [warning] = _first_request_warnings(app, caplog, "/things")
     assert "'things'" in warning and "covers GET," in warning
+
+
+# -- item 3: IDEMPOTENCY_ENABLED ----------------------------------------------------------------
+
+
+class _Listener:
+    """A TCP port that only counts who connects: the store's or Redis's, for a test that
+    must prove nobody did."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.setblocking(False)
+        self.port = self.sock.getsockname()[1]
+
+    def connections(self) -> int:
+        count = 0
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except BlockingIOError:
+                return count
+            conn.close()
+            count += 1
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("flag", [False, "false", "0"])
+def test_i23_3_c56_disabled_runs_marked_views_plainly_and_touches_no_store_or_redis(
+    tmp_path, caplog: pytest.LogCaptureFixture, flag: Any
+) -> None:
+    caplog.set_level(logging.INFO, logger="flask_idempotency")
+    database, cache = _Listener(), _Listener()
+    try:
+        app = _app(
+            tmp_path,
+            IDEMPOTENCY_ENABLED=flag,
+            IDEMPOTENCY_DATABASE_URI=f"postgresql+psycopg2://u@127.0.0.1:{database.port}/x",
+            IDEMPOTENCY_REDIS_URL=f"redis://127.0.0.1:{cache.port}/0",
+        )
+        calls: list[int] = []
+
+        @app.post("/refunds")
+        @idempotent(required=True)
+        def refund():
+            calls.append(1)
+            return jsonify(n=len(calls)), 201
+
+        idempotency = Idempotency(app)
+        client = app.test_client()
+        answers = [client.post("/refunds", headers=KEY) for _ in range(2)]
+        answers.append(client.post("/refunds"))  # required=True, and no key: still runs
+        assert [a.status_code for a in answers] == [201, 201, 201]
+        assert not [a for a in answers if "Idempotent-Replayed" in a.headers]
+        assert calls == [1, 1, 1]
+        with app.app_context():
+            with idempotency.once("job-1") as run:
+                assert run.owned
+            with idempotency.once("job-1") as run:
+                assert run.owned  # the work runs every time
+        assert database.connections() == 0 and cache.connections() == 0
+        assert app.extensions["idempotency"].store._engines is None
+        assert any("DISABLED" in r.getMessage() for r in caplog.records)
+    finally:
+        database.close()
+        cache.close()
+
+
+def test_i23_3_c56_the_testing_plugin_honours_the_switch(tmp_path) -> None:
+    """isolated_store makes no table for a disabled app; assert_idempotent says why it
+    cannot pass instead of reporting the view ran 10 times."""
+    from sqlalchemy import inspect
+
+    from flask_idempotency.testing import assert_idempotent, isolated_store
+
+    app = _app(tmp_path, IDEMPOTENCY_ENABLED=False)
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        return jsonify(ok=True), 201
+
+    Idempotency(app)
+    with isolated_store(app) as store:
+        assert store is app.extensions["idempotency"].store
+        assert store._engines is None  # no table made, no connection opened
+    with pytest.raises(AssertionError, match="IDEMPOTENCY_ENABLED = False"):
+        assert_idempotent(app.test_client(), "POST", "/pay", json={"a": 1})
+
+    enabled = _app(tmp_path, "enabled")
+    Idempotency(enabled)
+    with isolated_store(enabled) as store:
+        assert inspect(store.engine).has_table(store.table.name)
+
+
+def test_i23_3_a_malformed_switch_names_the_setting(tmp_path) -> None:
+    with pytest.raises(ValueError, match="IDEMPOTENCY_ENABLED must be True or False"):
+        Idempotency(_app(tmp_path, IDEMPOTENCY_ENABLED="maybe"))
