@@ -134,6 +134,8 @@ class Settings:
 
     def _validated(self) -> Settings:
         enabled = _flag(self.enabled, "IDEMPOTENCY_ENABLED")
+        if self.redis_url:
+            _redis_url(self.redis_url)
         methods = _upper_set(self.methods, "IDEMPOTENCY_METHODS")
         if self.replay_headers is None:
             raise ValueError("IDEMPOTENCY_REPLAY_HEADERS must be a list of header names.")
@@ -151,7 +153,7 @@ class Settings:
         lease = _seconds(self.lease, "IDEMPOTENCY_LEASE")
         wait = _seconds(self.wait, "IDEMPOTENCY_WAIT", allow_zero=True)
         if lease >= ttl:
-            raise ValueError("IDEMPOTENCY_LEASE must be shorter than IDEMPOTENCY_TTL.")
+            raise ValueError(_lease_not_shorter(lease, ttl, "IDEMPOTENCY_LEASE", "IDEMPOTENCY_TTL"))
         key_max_length = _integer(self.key_max_length, "IDEMPOTENCY_KEY_MAX_LENGTH")
         if not 1 <= key_max_length <= 4096:
             raise ValueError("IDEMPOTENCY_KEY_MAX_LENGTH must be between 1 and 4096.")
@@ -300,7 +302,14 @@ class EffectiveOptions:
             retries=route.retries or 0,
         )
         if options.lease >= options.ttl:
-            raise ValueError("The lease of an idempotent route must be shorter than its ttl.")
+            raise ValueError(
+                _lease_not_shorter(
+                    options.lease,
+                    options.ttl,
+                    "IDEMPOTENCY_LEASE" if route.lease is None else "@idempotent(lease=...)",
+                    "IDEMPOTENCY_TTL" if route.ttl is None else "@idempotent(ttl=...)",
+                )
+            )
         if (route.isolation is not None or route.retries is not None) and not options.atomic:
             raise ValueError(
                 "isolation= and retries= apply to transactional mode: add atomic=True"
@@ -339,6 +348,57 @@ def _upper_set(value: Any, name: str) -> frozenset[str]:
             " or replayed; a key sent with them is ignored."
         )
     return frozenset(methods)
+
+
+#: URL schemes ``IDEMPOTENCY_REDIS_URL`` may have (docs/redis.md).
+REDIS_SCHEMES = (
+    "redis",
+    "rediss",
+    "unix",
+    "redis+sentinel",
+    "rediss+sentinel",
+    "redis+cluster",
+    "rediss+cluster",
+)
+
+
+def _redis_url(url: Any) -> None:
+    """Refuse a Redis URL without a scheme Redis understands, naming the setting.
+
+    ``localhost:6379`` would otherwise fail deep in redis-py ("Redis URL must
+    specify one of the following schemes") without saying which setting is wrong.
+    The value is not repeated when it may hold a password.
+    """
+    if not isinstance(url, str):
+        raise ValueError(f"IDEMPOTENCY_REDIS_URL must be a URL string, not a {type(url).__name__}.")
+    scheme = url.split("://", 1)[0].lower() if "://" in url else None
+    if scheme in REDIS_SCHEMES:
+        return
+    shown = repr(url) if "@" not in url else "the value given (not shown: it may hold a password)"
+    schemes = ", ".join(name + "://" for name in REDIS_SCHEMES)
+    raise ValueError(
+        f"IDEMPOTENCY_REDIS_URL must start with one of {schemes} (e.g."
+        f" redis://localhost:6379/0); {shown} "
+        + (f"has the scheme {scheme!r}." if scheme else "has none.")
+    )
+
+
+def _lease_not_shorter(lease: float, ttl: float, lease_from: str, ttl_from: str) -> str:
+    """ "The lease must be shorter than the ttl", naming where each value came from."""
+
+    def origin(name: str, value: float) -> str:
+        if name.startswith("IDEMPOTENCY_"):
+            default = getattr(Settings, name.removeprefix("IDEMPOTENCY_").lower())
+            if value == default:
+                return f"{name} = {value:g} s (its default)"
+        return f"{name} = {value:g} s"
+
+    return (
+        f"The lease must be shorter than the ttl, but {origin(lease_from, lease)} and"
+        f" {origin(ttl_from, ttl)}. Set {lease_from} below {ttl:g} (or {ttl_from} above"
+        f" {lease:g}). The lease is how long a claim is held before a retry may take it"
+        " over; the ttl how long a key lives."
+    )
 
 
 def _isolation(value: Any, name: str) -> str:

@@ -199,7 +199,13 @@ class Idempotency:
             # Resolved on first use: with db= or engine= the engine may not exist yet.
             return store_origin(store.engine_without_setup().url, store.table.fullname)
 
-        tier = RedisTier.from_settings(settings, client=self._redis, origin=origin)
+        try:
+            tier = RedisTier.from_settings(settings, client=self._redis, origin=origin)
+        except ValueError as exc:  # redis-py's words alone would not say which setting
+            if self._redis is not None:
+                raise
+            where = describe_url(settings.redis_url)
+            raise ValueError(f"IDEMPOTENCY_REDIS_URL = {where!r}: {exc}") from exc
         wakeups.channel = tier.notifier
         return tier.cache
 

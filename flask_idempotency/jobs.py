@@ -321,6 +321,8 @@ class Once:
                 return
         completed = Completed(run.ident.fingerprint, expires_at_ms, stored)
         state.announce_completed(run.key_digest, completed)  # C23: after the commit
+        if omitted:
+            state.stored_without_body("once:" + run.ident.path)
         _send(signals.response_stored, run, status=200, body_omitted=omitted)
 
     def _begin_unit(self, run: Run) -> None:
@@ -345,10 +347,10 @@ class Once:
 
     def _release(self, run: Run, reason: str) -> None:
         """Give the key back so the next delivery runs the work (C17, C20)."""
-        state, claim = run._state, run._claim
-        assert state is not None and claim is not None
         if run._state is None:
             return  # IDEMPOTENCY_ENABLED = False: nothing was claimed
+        state, claim = run._state, run._claim
+        assert state is not None and claim is not None
         _stop_heartbeat(run)
         run.owned = False
         if run._unit is not None:

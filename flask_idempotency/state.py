@@ -132,6 +132,18 @@ class AppState:
             self._warned.add(what)
         log.warning(message, *args)
 
+    def stored_without_body(self, endpoint: str | None) -> None:
+        """Say once per endpoint that its answers are too large to keep whole (C33, C56)."""
+        self.warn_once(
+            ("body-omitted", endpoint),
+            "idempotency: an answer of %r was larger than IDEMPOTENCY_MAX_BODY_BYTES (%d"
+            " bytes), so it was stored without its body: a retry gets its status and headers"
+            " with an empty body and 'Idempotency-Replay: omitted' (C33). Raise the limit if"
+            " clients need the body on a retry. (Said once per endpoint.)",
+            endpoint,
+            self.settings.max_body_bytes,
+        )
+
     def promote(self, key_digest: str, completed: Completed) -> None:
         """Cache a completed record for the time it has left by the database's clock (C42)."""
         self.cache.promote(key_digest, completed, self.clock.remaining_ms(completed.expires_at_ms))

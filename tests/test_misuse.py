@@ -328,3 +328,99 @@ def test_i23_3_c56_the_testing_plugin_honours_the_switch(tmp_path) -> None:
 def test_i23_3_a_malformed_switch_names_the_setting(tmp_path) -> None:
     with pytest.raises(ValueError, match="IDEMPOTENCY_ENABLED must be True or False"):
         Idempotency(_app(tmp_path, IDEMPOTENCY_ENABLED="maybe"))
+
+
+# -- item 4: errors that name their setting ---------------------------------------------------
+
+
+@pytest.mark.parametrize("url", ["localhost:6379", "127.0.0.1:6379/0", "http://cache:6379"])
+def test_i23_4_c56_a_redis_url_without_its_scheme_names_the_setting(tmp_path, url: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        Idempotency(_app(tmp_path, IDEMPOTENCY_REDIS_URL=url))
+    message = str(raised.value)
+    assert message.startswith("IDEMPOTENCY_REDIS_URL") and "redis://localhost:6379/0" in message
+    assert "rediss://" in message and "redis+sentinel://" in message
+
+
+def test_i23_4_c56_a_redis_url_keeps_its_password_out_of_the_error(tmp_path) -> None:
+    with pytest.raises(ValueError, match="IDEMPOTENCY_REDIS_URL") as raised:
+        Idempotency(_app(tmp_path, IDEMPOTENCY_REDIS_URL="cache:s3cret@host:6379"))
+    assert "s3cret" not in str(raised.value)
+    with pytest.raises(ValueError, match="IDEMPOTENCY_REDIS_URL") as raised:
+        Idempotency(_app(tmp_path, "port", IDEMPOTENCY_REDIS_URL="redis://:s3cret@h:port/0"))
+    assert "s3cret" not in str(raised.value) and "Port" in str(raised.value)
+
+
+def test_i23_4_c56_a_ttl_below_the_default_lease_says_the_lease_is_the_default(tmp_path) -> None:
+    with pytest.raises(ValueError) as raised:
+        Idempotency(_app(tmp_path, IDEMPOTENCY_TTL=3))
+    message = str(raised.value)
+    assert "IDEMPOTENCY_LEASE = 60 s (its default)" in message
+    assert "IDEMPOTENCY_TTL = 3 s" in message and "below 3" in message
+
+
+def test_i23_4_c56_a_route_ttl_below_the_app_lease_names_both(tmp_path) -> None:
+    app = _app(tmp_path)
+
+    @app.post("/quick")
+    @idempotent(ttl=30)
+    def quick():
+        return "ok", 201
+
+    with pytest.raises(ValueError) as raised:
+        Idempotency(app)
+    message = str(raised.value)
+    assert "'quick'" in message and "@idempotent(ttl=...) = 30 s" in message
+    assert "IDEMPOTENCY_LEASE = 60 s (its default)" in message
+
+
+def test_i23_4_c56_show_without_scope_names_the_scope_it_searched(tmp_path) -> None:
+    app = _app(tmp_path)
+    Idempotency(app)
+    with app.app_context():
+        app.extensions["idempotency"].store.create_table()
+    runner = app.test_cli_runner()
+    plain = runner.invoke(args=["idempotency", "show", "order-42"])
+    assert plain.exit_code == 1
+    assert "'anonymous' scope" in plain.output and "--scope" in plain.output
+    scoped = runner.invoke(args=["idempotency", "show", "order-42", "--scope", "acme"])
+    assert scoped.exit_code == 1
+    assert "scope 'acme'" in scoped.output and "--authorization" in scoped.output
+    forget = runner.invoke(args=["idempotency", "forget", "order-42", "--yes"])
+    assert forget.exit_code == 1 and "'anonymous' scope" in forget.output
+
+
+def test_i23_4_c33_c56_a_response_over_the_body_limit_is_named_once_per_endpoint(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="flask_idempotency")
+    app = _app(tmp_path, IDEMPOTENCY_MAX_BODY_BYTES=10)
+
+    @app.post("/export")
+    @idempotent
+    def export():
+        return "x" * 100, 201
+
+    @app.post("/report")
+    @idempotent
+    def report():
+        return "y" * 100, 201
+
+    @app.post("/small")
+    @idempotent
+    def small():
+        return "z", 201
+
+    idempotency = Idempotency(app)
+    client = app.test_client()
+    for path in ("/export", "/export", "/report", "/small"):
+        for key in ("a", "b"):
+            answer = client.post(path, headers={"Idempotency-Key": path + key})
+            assert answer.status_code == 201
+    with app.app_context():
+        with idempotency.once("big") as run:
+            run.result = "w" * 100
+    lines = [w for w in _warnings(caplog) if "IDEMPOTENCY_MAX_BODY_BYTES" in w]
+    assert len(lines) == 3
+    assert "'export'" in lines[0] and "(10 bytes)" in lines[0] and "omitted" in lines[0]
+    assert "'report'" in lines[1] and "'once:once'" in lines[2]
