@@ -94,6 +94,13 @@ class Settings:
     table: str = "idempotency_keys"
     #: Prefix of the problem ``type`` URIs (C27).
     problem_type_base: str = DEFAULT_PROBLEM_TYPE_BASE
+    #: Built-in metrics of every decision (C57): ``prometheus`` (the ``prometheus`` extra;
+    #: the default registry), ``opentelemetry`` (the ``opentelemetry`` extra; the global
+    #: meter provider), both (a list or one comma-separated string), or none.
+    metrics: frozenset[str] = frozenset()
+    #: An OpenTelemetry span per protected request (C57; the ``opentelemetry`` extra;
+    #: the global tracer provider).
+    tracing: bool = False
     #: Transactional mode for every protected route; needs ``db=`` (C40).
     atomic: bool = False
     #: Requests one process parks at once; beyond it duplicates get 409 at once (R86).
@@ -175,6 +182,8 @@ class Settings:
         return dataclasses.replace(
             self,
             enabled=enabled,
+            metrics=_metrics(self.metrics),
+            tracing=_flag(self.tracing, "IDEMPOTENCY_TRACING"),
             methods=methods,
             replay_headers=replay_headers,
             required=_flag(self.required, "IDEMPOTENCY_REQUIRED"),
@@ -399,6 +408,36 @@ def _lease_not_shorter(lease: float, ttl: float, lease_from: str, ttl_from: str)
         f" {lease:g}). The lease is how long a claim is held before a retry may take it"
         " over; the ttl how long a key lives."
     )
+
+
+#: What ``IDEMPOTENCY_METRICS`` may name, and the spellings it understands (C57).
+METRICS_BACKENDS = {
+    "prometheus": "prometheus",
+    "opentelemetry": "opentelemetry",
+    "otel": "opentelemetry",
+}
+
+
+def _metrics(value: Any) -> frozenset[str]:
+    """``"prometheus"``, ``"opentelemetry"``, both, or none (``None``, ``False``, empty)."""
+    if value is None or value is False:
+        return frozenset()
+    if isinstance(value, bool) or not isinstance(value, (str, list, tuple, set, frozenset)):
+        raise ValueError(
+            "IDEMPOTENCY_METRICS names the library: 'prometheus', 'opentelemetry' or both"
+            f" (a list or a comma-separated string), not {value!r}."
+        )
+    if isinstance(value, str) and value.strip().lower() in _FALSE:
+        return frozenset()
+    names = set()
+    for name in _as_iterable(value):
+        backend = METRICS_BACKENDS.get(str(name).strip().lower())
+        if backend is None:
+            raise ValueError(
+                f"IDEMPOTENCY_METRICS: {name!r} is not one of prometheus, opentelemetry."
+            )
+        names.add(backend)
+    return frozenset(names)
 
 
 def _isolation(value: Any, name: str) -> str:

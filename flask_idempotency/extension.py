@@ -69,6 +69,10 @@ class Idempotency:
             got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
             if self._db is not None:
                 guard_sessions(self._db)
+            if settings.metrics or settings.tracing:
+                from . import telemetry
+
+                telemetry.install(app, settings)
         from .cli import idempotency_cli
 
         app.cli.add_command(idempotency_cli)

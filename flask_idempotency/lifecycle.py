@@ -284,7 +284,15 @@ def _store_down(state: AppState, ident: Identity, started: float, exc: StoreErro
     """Answer 503 for a store that cannot claim; return only when the app fails open (C25)."""
     if isinstance(exc, StoreMisconfigured):  # a deployment error: never fail open for it (C45)
         log.error("idempotency: %s", exc)
-        _send(signals.store_error, ident, started, tier="database", error=str(exc), action="claim")
+        _send(
+            signals.store_error,
+            ident,
+            started,
+            tier="database",
+            error=str(exc),
+            action="claim",
+            answer="503",
+        )
         raise StoreUnavailable(
             "The idempotency table is not set up, so the request was not processed.",
             retry_after=_STORE_RETRY_AFTER,
@@ -292,8 +300,17 @@ def _store_down(state: AppState, ident: Identity, started: float, exc: StoreErro
     state.outage_log.warning(
         "idempotency: durable store unavailable (%s), e.g. for key %s", exc, ident.key_digest[:16]
     )
-    _send(signals.store_error, ident, started, tier="database", error=str(exc), action="claim")
-    if state.settings.fail_open:
+    fail_open = state.settings.fail_open
+    _send(
+        signals.store_error,
+        ident,
+        started,
+        tier="database",
+        error=str(exc),
+        action="claim",
+        answer="unprotected" if fail_open else "503",
+    )
+    if fail_open:
         return
     raise StoreUnavailable(
         "The idempotency store is unavailable, so the request was not processed."
