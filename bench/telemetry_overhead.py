@@ -154,7 +154,8 @@ def report(paths: list[Path_], what: str) -> str:
     lines = [
         f"### {what}",
         "",
-        "| telemetry | wall p50 (µs) | thread CPU p50 (µs) | CPU over `off` (µs, median of rounds; range) |",
+        "| telemetry | wall p50 (µs) | thread CPU p50 (µs)"
+        " | CPU over `off` (µs, median of rounds; range) |",
         "|---|---:|---:|---:|",
     ]
     for path in paths:

@@ -103,7 +103,8 @@ class Settings:
     tracing: bool = False
     #: Transactional mode for every protected route; needs ``db=`` (C40).
     atomic: bool = False
-    #: Requests one process parks at once; beyond it duplicates get 409 at once (R86).
+    #: Requests one process parks at once (C10); beyond it a duplicate gets 409 at once
+    #: instead of waiting. Keep it below the worker's thread count (see the deployment page).
     max_waiters: int = 256
     #: Create the table on first use. ``None``: only for the embedded SQLite default.
     create_table: bool | None = None
