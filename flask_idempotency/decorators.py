@@ -98,8 +98,11 @@ def _guarded(view: F) -> F:
     """``view`` behind a check that the app it runs in has the extension (C56).
 
     Outside an app context (a view called as a plain function, in a unit test)
-    there is nothing to protect and the view just runs.
+    there is nothing to protect and the view just runs. A class is returned as it
+    is (marked): wrapping it would take ``as_view`` away.
     """
+    if inspect.isclass(view):
+        return view
     if inspect.iscoroutinefunction(view):
 
         @functools.wraps(view)

@@ -133,6 +133,17 @@ def test_i23_1_a_marked_function_still_runs_as_a_plain_function() -> None:
     assert add.__name__ == "add"
 
 
+def test_i23_1_a_marked_class_stays_a_class() -> None:
+    """The guard wraps functions only: a class keeps its ``as_view``."""
+
+    @idempotent
+    class Payments(MethodView):
+        def post(self):
+            return "ok", 201
+
+    assert isinstance(Payments, type) and callable(Payments.as_view("payments"))
+
+
 def test_i23_1_a_protected_request_never_runs_the_guard(make_app) -> None:
     """The layer calls the view itself: the guard costs a protected request nothing."""
     from tests.test_request_state import _calls_into_the_package
