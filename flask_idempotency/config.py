@@ -144,6 +144,8 @@ class Settings:
         enabled = _flag(self.enabled, "IDEMPOTENCY_ENABLED")
         if self.redis_url:
             _redis_url(self.redis_url)
+        if self.database_uri is not None:
+            _database_uri(self.database_uri)
         methods = _upper_set(self.methods, "IDEMPOTENCY_METHODS")
         if self.replay_headers is None:
             raise ValueError("IDEMPOTENCY_REPLAY_HEADERS must be a list of header names.")
@@ -391,6 +393,25 @@ def _redis_url(url: Any) -> None:
         f" redis://localhost:6379/0); {shown} "
         + (f"has the scheme {scheme!r}." if scheme else "has none.")
     )
+
+
+def _database_uri(uri: Any) -> None:
+    """Refuse what SQLAlchemy cannot read as a URL now, not at the first request's 503.
+
+    The value is never repeated: it may hold a password.
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(uri)
+    except (ArgumentError, ValueError, TypeError) as exc:
+        raise ValueError(
+            f"IDEMPOTENCY_DATABASE_URI is not a database URL ({exc}). Write"
+            " dialect+driver://user:password@host:port/database, e.g."
+            " postgresql+psycopg2://app@db.internal:5432/app, or leave it unset for the"
+            " db= / engine= database or the SQLite file in the instance folder."
+        ) from None
 
 
 def _lease_not_shorter(lease: float, ttl: float, lease_from: str, ttl_from: str) -> str:

@@ -362,6 +362,16 @@ def test_i23_4_c56_a_redis_url_keeps_its_password_out_of_the_error(tmp_path) -> 
     assert "s3cret" not in str(raised.value) and "Port" in str(raised.value)
 
 
+@pytest.mark.parametrize("uri", ["localhost:5432/shop", "postgresql://app:s3cret@db:port/shop"])
+def test_i23_4_c56_a_database_uri_that_is_no_url_names_the_setting(tmp_path, uri: str) -> None:
+    """At init_app, not as a 503 at the first request; the password stays out of it."""
+    with pytest.raises(
+        ValueError, match="IDEMPOTENCY_DATABASE_URI is not a database URL"
+    ) as raised:
+        Idempotency(_app(tmp_path, IDEMPOTENCY_DATABASE_URI=uri))
+    assert "s3cret" not in str(raised.value) and "postgresql+psycopg2://" in str(raised.value)
+
+
 def test_i23_4_c56_a_ttl_below_the_default_lease_says_the_lease_is_the_default(tmp_path) -> None:
     with pytest.raises(ValueError) as raised:
         Idempotency(_app(tmp_path, IDEMPOTENCY_TTL=3))
