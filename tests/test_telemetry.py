@@ -244,6 +244,28 @@ def test_i23_8_c57_prometheus_counts_503_lease_lost_and_a_tier_outage(make_app) 
     assert counted(samples, "forgotten", "lease_lost", "complete") == 1
 
 
+def test_i23_8_c57_prometheus_tells_a_503_from_a_request_run_unprotected() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    app = Flask("telemetry_fail_open")
+    app.config["IDEMPOTENCY_DATABASE_URI"] = (
+        f"postgresql+psycopg2://postgres@127.0.0.1:{free_port()}/nowhere"
+    )
+    app.config["IDEMPOTENCY_FAIL_OPEN"] = True
+    Idempotency(app)
+    prometheus.instrument(app, registry)
+
+    @app.post("/pay")
+    @idempotent
+    def pay_open() -> Any:
+        return jsonify(ok=True), 201
+
+    answer = app.test_client().post("/pay", json={}, headers={"Idempotency-Key": "k"})
+    assert answer.status_code == 201 and answer.headers["Idempotency-Unprotected"]
+    _, samples = scrape(registry)
+    assert counted(samples, "pay_open", "unavailable", "unprotected") == 1
+    assert counted(samples, "pay_open", "unavailable", "503") == 0
+
+
 def test_i23_8_c57_prometheus_replays_by_source(make_app) -> None:
     """The cache tier in front: a replay from Redis is labelled ``cache``."""
     import redis
