@@ -403,7 +403,7 @@ def show_command(
     digest = _resolve_digest(maintenance, key, scope, authorization, by_digest, host)
     record = maintenance.lookup(digest, with_body=with_body)
     if record is None:
-        raise click.ClickException(f"no record for that key in this scope (digest {digest[:16]}).")
+        raise _no_record(digest, scope, authorization, by_digest)
     click.echo("\n".join(_describe_record(record)))
     if with_body and record.body is not None:
         click.echo("")
@@ -435,7 +435,7 @@ def forget_command(
     digest = _resolve_digest(maintenance, key, scope, authorization, by_digest, host)
     record = maintenance.lookup(digest)
     if record is None:
-        raise click.ClickException(f"no record for that key in this scope (digest {digest[:16]}).")
+        raise _no_record(digest, scope, authorization, by_digest)
     click.echo("\n".join(_describe_record(record)))
     lease_live = (
         record.state == "in_progress"
@@ -602,3 +602,23 @@ def _check_redis_tier() -> None:
     store = state.store
     origin = store_origin(store.identity().id, store.table.fullname)
     click.echo(f"  origin: {origin} (names this store's records: its identity and table)")
+
+
+def _no_record(
+    digest: str, scope: str | None, authorization: str | None, by_digest: bool
+) -> click.ClickException:
+    """ "No record", naming the scope searched and how to search another (C56)."""
+    if by_digest:
+        return click.ClickException(f"no record has the digest {digest[:16]}… (any longer).")
+    if scope is not None:
+        where = f"in scope {scope!r} (as the scope_loader returned it)"
+    elif authorization is not None:
+        where = "in the scope of that Authorization header"
+    else:
+        where = "in the shared 'anonymous' scope, where requests without credentials land"
+    return click.ClickException(
+        f"no record for that key {where} (digest {digest[:16]}). A key belongs to the scope"
+        " its request had: give --scope VALUE (what the app's scope_loader returned for"
+        " the request), or --authorization VALUE (no scope_loader: the request's"
+        " Authorization header), or --digest PREFIX (from a log line)."
+    )

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from flask import Flask, Response, after_this_request, current_app, has_request_context, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from . import forms, signals
+from . import forms, misuse, signals
 from .completion import settle as completion
 from .completion.ownership import Ownership
 from .config import EffectiveOptions, RouteOptions
@@ -57,6 +57,8 @@ log = logging.getLogger("flask_idempotency")
 
 #: Attribute ``@idempotent`` sets on a view function.
 ROUTE_OPTIONS_ATTR = "__idempotency_options__"
+#: On the guard ``@idempotent`` returns: the view it guards, which the layer calls itself.
+GUARDED_ATTR = "__idempotency_guarded__"
 #: Header on a response the view produced without protection (``IDEMPOTENCY_FAIL_OPEN``).
 UNPROTECTED_HEADER = "Idempotency-Unprotected"
 _STORE_RETRY_AFTER = 3.0
@@ -111,6 +113,12 @@ def protect_views(app: Flask) -> None:
     for endpoint, view in list(views.items()):
         if not getattr(view, _PROTECTED_ATTR, False) and _marked(view):
             views[endpoint] = _protect(app, view)
+            misuse.warn_unprotectable(
+                app,
+                app.extensions["idempotency"],
+                endpoint,
+                functools.partial(_route_options, view),
+            )
 
 
 def _marked(view: Callable[..., Any]) -> bool:
@@ -121,7 +129,8 @@ def _marked(view: Callable[..., Any]) -> bool:
 def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper that stands for ``view``: decide, run the view as the owner, settle."""
     state: AppState = app.extensions["idempotency"]
-    run_view = app.ensure_sync(view)  # a coroutine view runs as Flask would run it
+    # The view itself, not the guard that refuses to run it in an app without the layer.
+    run_view = app.ensure_sync(getattr(view, GUARDED_ATTR, view))  # a coroutine view as Flask
     # A view function's own options are fixed; a class-based view's depend on the method.
     fixed: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
 
@@ -283,7 +292,15 @@ def _store_down(state: AppState, ident: Identity, started: float, exc: StoreErro
     """Answer 503 for a store that cannot claim; return only when the app fails open (C25)."""
     if isinstance(exc, StoreMisconfigured):  # a deployment error: never fail open for it (C45)
         log.error("idempotency: %s", exc)
-        _send(signals.store_error, ident, started, tier="database", error=str(exc), action="claim")
+        _send(
+            signals.store_error,
+            ident,
+            started,
+            tier="database",
+            error=str(exc),
+            action="claim",
+            answer="503",
+        )
         raise StoreUnavailable(
             "The idempotency table is not set up, so the request was not processed.",
             retry_after=_STORE_RETRY_AFTER,
@@ -291,8 +308,17 @@ def _store_down(state: AppState, ident: Identity, started: float, exc: StoreErro
     state.outage_log.warning(
         "idempotency: durable store unavailable (%s), e.g. for key %s", exc, ident.key_digest[:16]
     )
-    _send(signals.store_error, ident, started, tier="database", error=str(exc), action="claim")
-    if state.settings.fail_open:
+    fail_open = state.settings.fail_open
+    _send(
+        signals.store_error,
+        ident,
+        started,
+        tier="database",
+        error=str(exc),
+        action="claim",
+        answer="unprotected" if fail_open else "503",
+    )
+    if fail_open:
         return
     raise StoreUnavailable(
         "The idempotency store is unavailable, so the request was not processed."

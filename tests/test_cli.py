@@ -499,7 +499,7 @@ def test_c28_show_names_the_record_by_key_and_scope(payments_app: tuple[Flask, l
 
     other_scope = runner.invoke(args=["idempotency", "show", "order-1", "--scope", "globex"])
     assert other_scope.exit_code == 1
-    assert "no record for that key in this scope" in other_scope.output
+    assert "no record for that key in scope 'globex'" in other_scope.output
 
     prefix = key_digest("scope:acme", "order-1")[:16]
     by_digest = runner.invoke(args=["idempotency", "show", prefix, "--digest"])

@@ -79,6 +79,8 @@ def completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> Non
     own.state.announce_completed(
         own.ident.key_digest, Completed(own.ident.fingerprint, expires_at_ms, stored)
     )
+    if stored.body_omitted:
+        own.state.stored_without_body(own.route)
     if signals.response_stored.receivers:
         own.emit(signals.response_stored, status=stored.status, body_omitted=stored.body_omitted)
 
