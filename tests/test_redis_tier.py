@@ -8,6 +8,7 @@ PostgreSQL is proven in ``test_redis_real.py``.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from flask import jsonify, request
 
 from flask_idempotency import idempotent, signals
 from flask_idempotency.cache.codec import decode_value
-from flask_idempotency.cache.outage import Outage
+from flask_idempotency.cache.outage import Outage, report_failure
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.notify import PollSchedule, WakeupHub, listener
 from flask_idempotency.notify import hub as wakeup
@@ -632,3 +633,90 @@ def test_listener_starts_on_first_park_not_at_init_or_on_plain_requests(make_app
     second.join(EVENTUALLY)
     assert result[0].status_code == second_result[0].status_code == 201
     assert second_result[0].headers["Idempotent-Replayed"] == "true"
+
+
+# -- issue 22 item 4: recovery takes one back-off step (C54) -------------------------
+
+
+def test_i22_4_c54_requests_in_flight_when_redis_went_away_count_as_one_failure():
+    """16 commands were on their way when Redis went away; each fails. That is one
+    failure: the probe comes one step (1 s) later, not at the back-off's cap."""
+    now = [100.0]
+    outage = Outage(first=1.0, cap=10.0, clock=lambda: now[0])
+    started = [outage.failed()]
+
+    def in_flight() -> None:  # the other request threads, each with its own failure
+        started.append(outage.failed())
+
+    threads = [threading.Thread(target=in_flight) for _ in range(15)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert started.count(True) == 1  # one outage, logged once
+    now[0] += 0.99
+    assert not outage.allows()
+    now[0] += 0.01
+    assert outage.allows()  # one step after the first failure: the probe
+    assert outage.succeeded() is True
+
+
+def test_i22_4_c54_only_a_probes_failure_grows_the_back_off():
+    """While the probe runs, a request from before the outage fails too: it neither grows
+    the back-off nor delays the next probe. The probe's own timeout doubles it."""
+    now = [100.0]
+    outage = Outage(first=1.0, cap=10.0, clock=lambda: now[0])
+    outage.failed()
+    now[0] += 1.0
+    assert outage.allows()  # this thread probes
+    late = threading.Thread(target=outage.failed)  # an older request, failing just now
+    late.start()
+    late.join()
+    outage.failed()  # the probe timed out: the next one in 2 s
+    now[0] += 1.99
+    assert not outage.allows()
+    now[0] += 0.01
+    assert outage.allows()
+
+
+def test_i22_4_c54_a_refused_probe_keeps_the_first_step():
+    """A probe refused at once (nothing listens: Redis is restarting) cost its request
+    nothing, so the back-off stays at its first step and a restarted Redis is found
+    within a second; only a probe that made its request wait (a timeout) doubles it."""
+    now = [100.0]
+    outage = Outage(first=1.0, cap=10.0, clock=lambda: now[0])
+    refused = redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+    report_failure(outage, refused, "get", None)
+    for _ in range(5):
+        now[0] += 1.0
+        assert outage.allows()
+        report_failure(outage, refused, "get", None)
+    now[0] += 1.0
+    assert outage.allows()
+    report_failure(outage, redis.TimeoutError("Timeout reading from socket"), "get", None)
+    now[0] += 1.0
+    assert not outage.allows()
+    now[0] += 1.0
+    assert outage.allows()
+
+
+def test_i22_4_c54_c10_a_refused_listener_tries_again_every_second_at_most():
+    """Redis refuses the subscriber's connections for 4 s (restarting, a failover): it
+    tries again at least once a second, so wake-ups by message are back within about a
+    second of Redis answering, however long it was away; its attempts used to double
+    to 2 s, 4 s, 8 s apart (C54, C10)."""
+    attempts: list[float] = []
+
+    def refused() -> Any:
+        attempts.append(time.monotonic())
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+
+    subscriber = listener.WakeupListener(refused, "idem:done", first_wait=0.01)
+    hub = WakeupHub()
+    try:
+        assert subscriber.ensure(hub) is False
+        wait_for(lambda: time.monotonic() - attempts[0] > 4.2, "4 s of refused attempts")
+    finally:
+        subscriber.stop()
+    gaps = [later - earlier for earlier, later in itertools.pairwise(attempts)]
+    assert len(attempts) >= 5 and max(gaps) < 1.3, gaps
