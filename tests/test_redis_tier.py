@@ -720,3 +720,20 @@ def test_i22_4_c54_c10_a_refused_listener_tries_again_every_second_at_most():
         subscriber.stop()
     gaps = [later - earlier for earlier, later in itertools.pairwise(attempts)]
     assert len(attempts) >= 5 and max(gaps) < 1.3, gaps
+
+
+# -- issue 22 item 2: a shorter waiter never cancels another's wake-up (C53) -------------
+
+
+def test_i22_2_c53_without_scripts_a_shorter_wait_never_shortens_the_waiting_mark(server):
+    """A Redis that refuses scripts (fakeredis here, an ACL without EVAL) gets the mark
+    by ``SET NX`` and ``PEXPIRE GT``: still never shortened by a later, shorter waiter."""
+    client = fakeredis.FakeRedis(server=server)
+    tier = RedisTier(client)
+    name = tier.notifier.waiting_name("e" * 64)
+    assert tier.expect("e" * 64, 10.0)
+    assert tier.expect("e" * 64, 0.2)
+    assert 9_000 < client.pttl(name) <= 11_000
+    assert tier.expect("e" * 64, 30.0)
+    assert 29_000 < client.pttl(name) <= 31_000
+    assert not tier.outage.down

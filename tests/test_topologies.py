@@ -820,3 +820,57 @@ def test_i15_6_c25_database_down_while_redis_backs_off_still_replays_from_the_ca
         redis_proxy.stop()
         time.sleep(0.1)
         pg_proxy.stop()
+
+
+# -- issue 22 item 2: a shorter waiter never cancels another's wake-up (C53) -------------------
+
+
+def test_i22_2_c53_a_later_shorter_wait_never_shortens_the_waiting_mark_on_every_topology(
+    make_svc: Any, topology_url: str
+) -> None:
+    """All waiters of a record share one waiting mark: a later waiter with a shorter wait
+    leaves the longer expiry in place, and a longer one extends it (C53)."""
+    svc = make_svc(topology_url)
+    notifier = svc.state.wakeups.channel
+    digest = key_digest(ANONYMOUS_SCOPE, f"mark-{uuid.uuid4().hex}")
+    name = notifier.waiting_name(digest)
+    assert notifier.expect(digest, 10.0)
+    assert notifier.expect(digest, 0.2)  # a once(wait=0.2), or an app with a shorter wait
+    assert 9_000 < notifier._client.pttl(name) <= 11_000
+    assert notifier.expect(digest, 30.0)
+    assert 29_000 < notifier._client.pttl(name) <= 31_000
+
+
+def test_i22_2_c53_c10_a_shorter_waiter_does_not_cancel_a_longer_ones_wakeup_on_every_topology(
+    make_svc: Any, topology_url: str, no_poll_ticks: None
+) -> None:
+    """A waiter parks for 20 s; another one, in an app whose wait is 0.3 s (another version
+    mid-deploy), parks after it and gives up with 409. Past the short waiter's mark (its
+    wait and a second), the original finishes: the long waiter is still woken by message,
+    not left to its 20 s (polls are 10 minutes apart here; C53, C10)."""
+    owner = make_svc(topology_url)
+    waiter = make_svc(topology_url)
+    brief = make_svc(topology_url, IDEMPOTENCY_WAIT=0.3)
+    _listening(waiter)
+    key = f"short-and-long-{uuid.uuid4().hex[:6]}"
+    owner.gate.clear()
+    owner.entered.clear()
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(owner.post, key)
+        assert owner.entered.wait(EVENTUALLY)
+        second = pool.submit(waiter.post, key)
+        deadline = time.monotonic() + EVENTUALLY
+        while waiter.state.wakeups.parked_count == 0:
+            assert time.monotonic() < deadline, "the waiter did not park"
+            time.sleep(0.01)
+        gave_up = brief.post(key)
+        assert gave_up.status_code == 409
+        time.sleep(1.6)  # the short waiter's own wait and its mark's margin have passed
+        released = time.monotonic()
+        owner.gate.set()
+        assert first.result(EVENTUALLY).status_code == 201
+        answer = second.result(EVENTUALLY)
+        woke = time.monotonic() - released
+    assert answer.status_code == 201, answer.get_data(as_text=True)
+    assert answer.headers["Idempotent-Replayed"] == "true"
+    assert woke < 5.0, woke
