@@ -30,7 +30,7 @@ from flask_idempotency.cache.outage import Outage, report_failure
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.notify import PollSchedule, WakeupHub, listener
 from flask_idempotency.notify import hub as wakeup
-from flask_idempotency.records import Completed
+from flask_idempotency.records import Completed, StoredResponse
 from flask_idempotency.tier import RedisTier
 from tests.support.waiting import wait_until as _wait_until
 
@@ -737,3 +737,61 @@ def test_i22_2_c53_without_scripts_a_shorter_wait_never_shortens_the_waiting_mar
     assert tier.expect("e" * 64, 30.0)
     assert 29_000 < client.pttl(name) <= 31_000
     assert not tier.outage.down
+
+
+# -- issue 22 item 3: a cached copy never outlives its record (C53, C21, C42) ----------
+
+
+def _sample_record(expires_at_ms: int = 99999999999999, body: bytes = b"{}") -> Completed:
+    return Completed("f" * 64, expires_at_ms, StoredResponse(201, (), body))
+
+
+def test_i22_3_c53_the_time_a_copy_may_live_is_read_after_encoding(server, monkeypatch):
+    """Encoding a large body takes time; ``PX`` counts from when Redis runs the ``SET``. The
+    copy's expiry is what the record had left when ``promote`` was called, less the time
+    encoding took and a margin (C53, C21)."""
+    from flask_idempotency.cache import redis as cache_redis
+
+    client = fakeredis.FakeRedis(server=server)
+    tier = RedisTier(client)
+    encode = cache_redis.encode_value
+
+    def slow_encode(record: Completed) -> bytes:
+        time.sleep(0.3)
+        return encode(record)
+
+    monkeypatch.setattr(cache_redis, "encode_value", slow_encode)
+    called = time.monotonic()
+    tier.promote("d" * 64, _sample_record(), 60_000)
+    copy_expires = time.monotonic() + client.pttl(tier.record_name("d" * 64)) / 1000
+    assert copy_expires <= called + 60.0 + 0.005
+
+
+class SlowSet:
+    """A client whose ``SET`` reaches Redis ``delay`` seconds after it was sent: a slow
+    trip, a large value on a slow link, a worker thread that lost the CPU."""
+
+    def __init__(self, client: Any, delay: float) -> None:
+        self._client = client
+        self._delay = delay
+
+    def set(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self._delay)
+        return self._client.set(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_i22_3_c53_a_set_slower_than_the_margin_gets_its_expiry_set_again(server):
+    """However the ``SET`` was delayed on its way, the copy expires no later than its
+    record: a ``SET`` that took longer than the margin to answer may have started its
+    ``PX`` late, so its expiry is set again from a fresh reading (C53, C42)."""
+    client = fakeredis.FakeRedis(server=server)
+    tier = RedisTier(SlowSet(client, 0.3))
+    called = time.monotonic()
+    tier.promote("d" * 64, _sample_record(), 60_000)
+    copy_expires = time.monotonic() + client.pttl(tier.record_name("d" * 64)) / 1000
+    assert copy_expires <= called + 60.0 + 0.005
+    tier.promote("e" * 64, _sample_record(), 200)  # a record with less left than the trip
+    assert client.exists(tier.record_name("e" * 64)) == 0

@@ -874,3 +874,66 @@ def test_i22_2_c53_c10_a_shorter_waiter_does_not_cancel_a_longer_ones_wakeup_on_
     assert answer.status_code == 201, answer.get_data(as_text=True)
     assert answer.headers["Idempotent-Replayed"] == "true"
     assert woke < 5.0, woke
+
+
+# -- issue 22 item 3: a cached copy never outlives its record (C53, C21, C42) ------------------
+
+
+def test_i22_3_c53_a_completions_copy_expires_with_its_record_however_slow_the_encoding(
+    make_svc: Any, topology_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion's copy (one round trip with the check for a waiter; on a cluster, on
+    the slot owner's connection) lives no longer than its record has left by the database
+    clock, even when encoding the value takes a quarter of a second (a large body on a
+    busy worker): the time it has left is read after encoding (C53, C21, C42)."""
+    from flask_idempotency.cache import redis as cache_redis
+
+    svc = make_svc(topology_url)
+    encode = cache_redis.encode_value
+
+    def slow_encode(record: Any) -> bytes:
+        time.sleep(0.25)
+        return encode(record)
+
+    monkeypatch.setattr(cache_redis, "encode_value", slow_encode)
+    for n in range(3):  # three records: on a cluster, most likely on two shards or three
+        key = f"slow-encode-{n}-{uuid.uuid4().hex[:6]}"
+        assert svc.post(key).status_code == 201
+        digest = key_digest(ANONYMOUS_SCOPE, key)
+        row = svc.state.store.get(digest)
+        left = svc.state.clock.remaining_ms(row.expires_at_ms)
+        copy_left = svc.state.cache._client.pttl(svc.state.cache.record_name(digest))
+        assert 0 < copy_left <= left + 5, (copy_left, left)
+
+
+def test_i22_3_c53_a_completion_late_on_its_way_to_redis_gets_its_expiry_set_again(
+    make_svc: Any, topology_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion's ``SET`` reaches Redis a quarter of a second after its ``PX`` was
+    read (a slow link, a worker thread off the CPU): it took longer than the margin to
+    answer, so its expiry is set again, and the copy still expires with its record
+    (C53, C42). Each topology's path is slowed: the pre-packed pair on one node and on
+    a cluster's slot owner, the pipeline of a Sentinel client."""
+    import redis.client
+
+    from flask_idempotency._wire import redis as wire
+
+    def late(send: Any) -> Any:
+        def slowed(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.25)
+            return send(*args, **kwargs)
+
+        return slowed
+
+    monkeypatch.setattr(wire._Reader, "set_and_wake", late(wire._Reader.set_and_wake))
+    monkeypatch.setattr(wire.DirectCluster, "set_and_wake", late(wire.DirectCluster.set_and_wake))
+    monkeypatch.setattr(redis.client.Pipeline, "execute", late(redis.client.Pipeline.execute))
+    svc = make_svc(topology_url)
+    for n in range(3):
+        key = f"late-set-{n}-{uuid.uuid4().hex[:6]}"
+        assert svc.post(key).status_code == 201
+        digest = key_digest(ANONYMOUS_SCOPE, key)
+        row = svc.state.store.get(digest)
+        left = svc.state.clock.remaining_ms(row.expires_at_ms)
+        copy_left = svc.state.cache._client.pttl(svc.state.cache.record_name(digest))
+        assert 0 < copy_left <= left + 5, (copy_left, left)
