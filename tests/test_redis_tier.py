@@ -25,7 +25,7 @@ import redis
 from flask import jsonify, request
 
 from flask_idempotency import idempotent, signals
-from flask_idempotency.cache.codec import decode_value
+from flask_idempotency.cache.codec import ReplayHeaders, decode_value, encode_value
 from flask_idempotency.cache.outage import Outage, report_failure
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.notify import PollSchedule, WakeupHub, listener
@@ -135,9 +135,13 @@ def cached_json(raw: bytes) -> Any:
     """The record part of a cached value (after the origin line, C41), as a dict."""
     origin, _, body = raw.partition(b"\n")
     assert len(origin) == 16
-    record = decode_value(body)
+    record = decode_value(body, ANY_STORED)
     assert record is not None, body
     return {"v": int(body[:1]), "fp": record.fingerprint, "exp": record.expires_at_ms}
+
+
+#: Every header these tests' apps store, for a look at what the cache holds.
+ANY_STORED = ReplayHeaders(["content-type", "content-encoding", "x-request-cost"])
 
 
 def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
@@ -795,3 +799,109 @@ def test_i22_3_c53_a_set_slower_than_the_margin_gets_its_expiry_set_again(server
     assert copy_expires <= called + 60.0 + 0.005
     tier.promote("e" * 64, _sample_record(), 200)  # a record with less left than the trip
     assert client.exists(tier.record_name("e" * 64)) == 0
+
+
+# -- issue 26 item 7: cached values are checked before they are replayed (C22) ----------
+
+
+def _planted(raw: bytes, **changes: Any) -> bytes:
+    """The cached value ``raw`` with its response changed (status, headers)."""
+    origin, _, body = raw.partition(b"\n")
+    record = decode_value(body, ANY_STORED)
+    assert record is not None
+    response = record.response
+    planted = StoredResponse(
+        changes.get("status", response.status),
+        changes.get("headers", response.headers),
+        response.body,
+        response.body_omitted,
+    )
+    return (
+        origin + b"\n" + encode_value(Completed(record.fingerprint, record.expires_at_ms, planted))
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"headers": (("Content-Type", "application/json\r\nX-Injected: 1"),)},
+        {"headers": (("Content-Type", "application/json"), ("Set-Cookie", "session=attacker"))},
+        {"headers": (("Content-Type", "application/json"), ("X-Not-Allowed", "1"))},
+        {"headers": (("Content-Type", "application/json\x00"),)},
+        {"status": 0},
+        {"status": 99},
+        {"status": 600},
+    ],
+    ids=["crlf", "set-cookie", "not-allow-listed", "nul", "status-0", "status-99", "status-600"],
+)
+def test_i26_7_c22_a_cached_value_that_is_not_safe_to_replay_is_a_miss(
+    make_app, server, caplog, change
+):
+    """A value in Redis that decodes is not trusted: a header with CR/LF (every retry a
+    500), a planted ``Set-Cookie`` (session fixation; never replayed), a header the
+    allow-list does not name, a status outside 100-599. Each is a miss: the replay
+    comes from the database, and the read-through repairs the copy (C22)."""
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client)
+    first = post(env)
+    name = env.tier.record_name(digest_of())
+    client.set(name, _planted(client.get(name), **change))
+    caplog.set_level(logging.WARNING, logger="flask_idempotency")
+    with replay_sources(env) as sources:
+        again = post(env)
+    assert again.status_code == 201, again.data
+    assert again.data == first.data and again.headers["Idempotent-Replayed"] == "true"
+    assert "Set-Cookie" not in again.headers and "X-Not-Allowed" not in again.headers
+    assert "X-Injected" not in again.headers
+    assert sources == ["database"]
+    with replay_sources(env) as sources:
+        post(env)
+    assert sources == ["cache"]  # repaired by the read-through
+    assert env.calls == [1]
+    unsafe = [r for r in caplog.records if "not safe to replay" in r.getMessage()]
+    assert len(unsafe) == 1 and RAW_KEY not in caplog.text
+
+
+def test_i26_7_c22_unsafe_cached_values_are_logged_once_not_per_read(make_app, server, caplog):
+    """A copy planted again and again (or many of them) is a miss each time; the log says
+    so once, then at most every few seconds with a count, not once per replay."""
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client)
+    post(env)
+    name = env.tier.record_name(digest_of())
+    planted = _planted(client.get(name), status=0)
+    caplog.set_level(logging.WARNING, logger="flask_idempotency")
+    for _ in range(20):
+        client.set(name, planted)
+        with replay_sources(env) as sources:
+            assert post(env).status_code == 201
+        assert sources == ["database"]
+    unsafe = [r for r in caplog.records if "not safe to replay" in r.getMessage()]
+    assert len(unsafe) == 1
+
+
+def test_i26_7_c22_a_cached_value_with_an_allow_listed_header_of_the_app_replays(make_app, server):
+    """The check follows the app's own ``IDEMPOTENCY_REPLAY_HEADERS`` (and the body's
+    ``Content-Encoding``, always kept): what the app stores, it replays from the cache."""
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client, replay_headers=["Content-Type", "X-Request-Cost"])
+
+    @env.app.post("/costly")
+    @idempotent
+    def costly() -> Any:
+        return "ok", 201, {"X-Request-Cost": "3", "Content-Encoding": "identity"}
+
+    first = env.app.test_client().post("/costly", headers={"Idempotency-Key": RAW_KEY})
+    stored = decode_value(
+        client.get(env.tier.record_name(digest_of())).partition(b"\n")[2], ANY_STORED
+    )
+    assert stored is not None
+    assert {name for name, _ in stored.response.headers} == {
+        "Content-Type",
+        "X-Request-Cost",
+        "Content-Encoding",
+    }
+    with replay_sources(env) as sources:
+        again = env.app.test_client().post("/costly", headers={"Idempotency-Key": RAW_KEY})
+    assert sources == ["cache"]
+    assert again.headers["X-Request-Cost"] == "3" and again.data == first.data

@@ -20,15 +20,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._wire.redis import _reader_for
+from ..config import Settings
+from ..logs import ThrottledLog
 from ..notify.cluster import ClusterNotifier
 from ..notify.redis import RedisNotifier
 from ..records import Completed
+from ..responses import BODY_HEADERS
 from .cluster import promote_and_publish_on_shard
-from .codec import Origin, decode_value, encode_value, names_prefix
+from .codec import (
+    Origin,
+    ReplayHeaders,
+    UnsafeValue,
+    decode_value,
+    encode_value,
+    names_prefix,
+)
 from .outage import Outage, ShardOutages, report_failure, report_success
 
 log = logging.getLogger("flask_idempotency")
@@ -44,7 +54,9 @@ class RedisCache:
     """:class:`~flask_idempotency.cache.ResponseCache` on Redis (single node, Sentinel, Cluster).
 
     Only single-key commands, each on a hash-tagged key: the same code runs on a
-    cluster, where a record's key lives in its digest's slot.
+    cluster, where a record's key lives in its digest's slot. ``replay_headers``: the
+    app's ``IDEMPOTENCY_REPLAY_HEADERS`` (the defaults if not given); a cached value
+    with any other header is not replayed (C22).
     """
 
     def __init__(
@@ -55,6 +67,7 @@ class RedisCache:
         origin: str | Callable[[], str] = "",
         outage: Outage | None = None,
         shards: ShardOutages | None = None,
+        replay_headers: Iterable[str] | None = None,
     ) -> None:
         self._client = client
         self.prefix = prefix
@@ -62,6 +75,10 @@ class RedisCache:
         self.outage = outage or Outage()
         self._shards = shards
         self._foreign_logged = False
+        #: What a cached value's headers may be: what the app stores (C22).
+        allowed = Settings.replay_headers if replay_headers is None else replay_headers
+        self._replay_headers = ReplayHeaders({*allowed, *BODY_HEADERS})
+        self._unsafe_log = ThrottledLog()
         self._reader = _reader_for(client)
         #: The part of every record name before its digest, and the origin as bytes,
         #: made once the origin is known (every read used to format them again).
@@ -128,7 +145,18 @@ class RedisCache:
                     self.origin,
                 )
             return None
-        return decode_value(body)
+        try:
+            return decode_value(body, self._replay_headers)
+        except UnsafeValue as exc:
+            # Written by hand or by something else (this code never stores such a value):
+            # a miss, so the replay comes from the database and the read-through repairs it.
+            self._unsafe_log.warning(
+                "idempotency: a cached record under %s is not safe to replay (%s); ignored,"
+                " read from the database",
+                key_digest[:16],
+                exc,
+            )
+            return None
 
     def _read(self, key_digest: str) -> Any:
         # Not a bound method chosen once and kept: that would make the cache a reference
