@@ -905,3 +905,27 @@ def test_i26_7_c22_a_cached_value_with_an_allow_listed_header_of_the_app_replays
         again = env.app.test_client().post("/costly", headers={"Idempotency-Key": RAW_KEY})
     assert sources == ["cache"]
     assert again.headers["X-Request-Cost"] == "3" and again.data == first.data
+
+
+# -- issue 26 item 11: log floods ----------------------------------------------------
+
+
+def test_i26_11_c11_requests_refused_a_place_to_wait_are_logged_once_not_each(
+    make_app, server, caplog
+):
+    """Over ``IDEMPOTENCY_MAX_WAITERS`` each duplicate gets its 409 at once; the log says
+    so once, then at most every few seconds with a count, like the outage lines, instead
+    of one line per refused request (C11)."""
+    env = build(make_app, fakeredis.FakeRedis(server=server), max_waiters=0)
+    env.gate.clear()
+    first, result = in_thread(lambda: post(env))
+    try:
+        assert env.entered.wait(EVENTUALLY)
+        caplog.set_level(logging.WARNING, logger="flask_idempotency")
+        statuses = [post(env).status_code for _ in range(20)]
+    finally:
+        env.gate.set()
+        first.join(EVENTUALLY)
+    assert statuses == [409] * 20 and result[0].status_code == 201
+    refused = [r for r in caplog.records if "too many parked requests" in r.getMessage()]
+    assert len(refused) == 1
