@@ -101,11 +101,6 @@ class ReplayHeaders:
                 raise UnsafeValue(f"header {name!r} holds a control character")
 
 
-def _check_status(status: int) -> None:
-    if not 100 <= status <= 599:
-        raise UnsafeValue(f"status {status} is not an HTTP status")
-
-
 def encode_value(record: Completed) -> bytes:
     """A completed record as the cache stores it (after the origin line)."""
     response = record.response
@@ -132,13 +127,14 @@ def decode_value(raw: bytes, headers: ReplayHeaders) -> Completed | None:
     if not raw.startswith(b"2\n"):
         record = Completed.from_json(raw)  # written by an earlier release
         if record is not None:
-            _check_status(record.response.status)
+            if not 100 <= record.response.status <= 599:
+                raise UnsafeValue(f"status {record.response.status} is not an HTTP status")
             headers.check(record.response.headers)
         return record
     try:
         _, fingerprint, expires, status_text, omitted, header_text, body = raw.split(b"\n")
         status = int(status_text)
-        if not 100 <= status <= 599:
+        if not 100 <= status <= 599:  # (a chained comparison: the fastest check)
             raise UnsafeValue(f"status {status} is not an HTTP status")
         if omitted not in (b"0", b"1"):
             return None

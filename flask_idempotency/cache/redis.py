@@ -7,9 +7,10 @@ left by the *database's* clock (``PX``, C42): neither the app host's clock nor
 Redis's has to agree with it. That time is read after the value is encoded, less
 :data:`EXPIRY_MARGIN_MS` for the trip to Redis, and read again if the ``SET`` took
 longer than the margin to answer: a copy never outlives its record (C53). Absence
-and in-progress state are never cached: a miss
-always falls through to the durable store. Completion promotes the record and, in
-the same round trip, asks whether a waiter wants its wake-up (:mod:`..notify`).
+and in-progress state are never cached: a miss always falls through to the durable
+store. Completion promotes the record and, in the same round trip, asks whether a
+waiter wants its wake-up (:mod:`..notify`). A value read back is replayed only if
+the app could have stored it (:class:`~.codec.ReplayHeaders`, C22).
 
 Losing Redis changes latency, not outcomes (C24): every call goes through the
 tier's breaker (:mod:`.outage`), and no method raises. A plain single-node client

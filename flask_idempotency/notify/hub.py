@@ -137,10 +137,6 @@ class WakeupHub:
     def parked_count(self) -> int:
         return self._count
 
-    @property
-    def max_waiters(self) -> int:
-        return self._max_waiters
-
 
 class PollSchedule:
     """Bounded exponential back-off for re-reading the store while parked (C10)."""
@@ -190,6 +186,6 @@ def wait_for_owner(
         hub.refusals_log.warning(
             "idempotency: too many parked requests in this process (IDEMPOTENCY_MAX_WAITERS"
             " = %d); a duplicate was answered at once instead of waiting",
-            hub.max_waiters,
+            hub._max_waiters,
         )
     return outcome
