@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -24,6 +23,7 @@ from sqlalchemy.engine import make_url
 from .cache import NoCache, ResponseCache
 from .config import EffectiveOptions, RouteOptions, Settings
 from .fingerprint import default_scope
+from .logs import ThrottledLog
 from .notify import WakeupHub
 from .records import COMPLETED, Claim, Completed, Identity, Record
 from .store import DurableStore
@@ -43,32 +43,6 @@ EXTENSION_NAME = "idempotency"
 #: Routes whose merged options :meth:`AppState.effective_options` keeps.
 _OPTIONS_KEPT = 1024
 log = logging.getLogger("flask_idempotency")
-
-
-class ThrottledLog:
-    """Log a recurring failure once, then at most once per ``every`` seconds with a count.
-
-    During a database outage every protected request fails the same way; one line
-    per request would bury everything else in the log.
-    """
-
-    def __init__(self, every: float = 10.0) -> None:
-        self._every = every
-        self._next = 0.0
-        self._suppressed = 0
-        self._lock = threading.Lock()
-
-    def warning(self, message: str, *args: Any) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now < self._next:
-                self._suppressed += 1
-                return
-            suppressed, self._suppressed = self._suppressed, 0
-            self._next = now + self._every
-        if suppressed:
-            message += f" ({suppressed} more since the last such line)"
-        log.warning(message, *args)
 
 
 @dataclasses.dataclass

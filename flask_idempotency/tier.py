@@ -17,7 +17,7 @@ Redis URL or client is configured.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from . import process
@@ -63,11 +63,17 @@ class RedisTier:
         listener_connect: Callable[[], Any] | None = None,
         first_wait: float = 0.5,
         cluster: bool = False,
+        replay_headers: Iterable[str] | None = None,
     ) -> None:
         self.outage = Outage()
         shards = ShardOutages(client) if cluster else None
         self.cache = RedisCache(
-            client, prefix=prefix, origin=origin, outage=self.outage, shards=shards
+            client,
+            prefix=prefix,
+            origin=origin,
+            outage=self.outage,
+            shards=shards,
+            replay_headers=replay_headers,
         )
         self.notifier: RedisNotifier
         if cluster:
@@ -140,6 +146,7 @@ class RedisTier:
             "prefix": settings.redis_prefix,
             "origin": origin,
             "first_wait": first_wait,
+            "replay_headers": settings.replay_headers,
         }
         if client is not None:
             if topology.is_cluster_client(client):

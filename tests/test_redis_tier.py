@@ -8,6 +8,7 @@ PostgreSQL is proven in ``test_redis_real.py``.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -24,12 +25,12 @@ import redis
 from flask import jsonify, request
 
 from flask_idempotency import idempotent, signals
-from flask_idempotency.cache.codec import decode_value
-from flask_idempotency.cache.outage import Outage
+from flask_idempotency.cache.codec import ReplayHeaders, decode_value, encode_value
+from flask_idempotency.cache.outage import Outage, report_failure
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.notify import PollSchedule, WakeupHub, listener
 from flask_idempotency.notify import hub as wakeup
-from flask_idempotency.records import Completed
+from flask_idempotency.records import Completed, StoredResponse
 from flask_idempotency.tier import RedisTier
 from tests.support.waiting import wait_until as _wait_until
 
@@ -134,9 +135,13 @@ def cached_json(raw: bytes) -> Any:
     """The record part of a cached value (after the origin line, C41), as a dict."""
     origin, _, body = raw.partition(b"\n")
     assert len(origin) == 16
-    record = decode_value(body)
+    record = decode_value(body, ANY_STORED)
     assert record is not None, body
     return {"v": int(body[:1]), "fp": record.fingerprint, "exp": record.expires_at_ms}
+
+
+#: Every header these tests' apps store, for a look at what the cache holds.
+ANY_STORED = ReplayHeaders(["content-type", "content-encoding", "x-request-cost"])
 
 
 def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
@@ -632,3 +637,295 @@ def test_listener_starts_on_first_park_not_at_init_or_on_plain_requests(make_app
     second.join(EVENTUALLY)
     assert result[0].status_code == second_result[0].status_code == 201
     assert second_result[0].headers["Idempotent-Replayed"] == "true"
+
+
+# -- issue 22 item 4: recovery takes one back-off step (C54) -------------------------
+
+
+def test_i22_4_c54_requests_in_flight_when_redis_went_away_count_as_one_failure():
+    """16 commands were on their way when Redis went away; each fails. That is one
+    failure: the probe comes one step (1 s) later, not at the back-off's cap."""
+    now = [100.0]
+    outage = Outage(first=1.0, cap=10.0, clock=lambda: now[0])
+    started = [outage.failed()]
+
+    def in_flight() -> None:  # the other request threads, each with its own failure
+        started.append(outage.failed())
+
+    threads = [threading.Thread(target=in_flight) for _ in range(15)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert started.count(True) == 1  # one outage, logged once
+    now[0] += 0.99
+    assert not outage.allows()
+    now[0] += 0.01
+    assert outage.allows()  # one step after the first failure: the probe
+    assert outage.succeeded() is True
+
+
+def test_i22_4_c54_only_a_probes_failure_grows_the_back_off():
+    """While the probe runs, a request from before the outage fails too: it neither grows
+    the back-off nor delays the next probe. The probe's own timeout doubles it."""
+    now = [100.0]
+    outage = Outage(first=1.0, cap=10.0, clock=lambda: now[0])
+    outage.failed()
+    now[0] += 1.0
+    assert outage.allows()  # this thread probes
+    late = threading.Thread(target=outage.failed)  # an older request, failing just now
+    late.start()
+    late.join()
+    outage.failed()  # the probe timed out: the next one in 2 s
+    now[0] += 1.99
+    assert not outage.allows()
+    now[0] += 0.01
+    assert outage.allows()
+
+
+def test_i22_4_c54_a_refused_probe_keeps_the_first_step():
+    """A probe refused at once (nothing listens: Redis is restarting) cost its request
+    nothing, so the back-off stays at its first step and a restarted Redis is found
+    within a second; only a probe that made its request wait (a timeout) doubles it."""
+    now = [100.0]
+    outage = Outage(first=1.0, cap=10.0, clock=lambda: now[0])
+    refused = redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+    report_failure(outage, refused, "get", None)
+    for _ in range(5):
+        now[0] += 1.0
+        assert outage.allows()
+        report_failure(outage, refused, "get", None)
+    now[0] += 1.0
+    assert outage.allows()
+    report_failure(outage, redis.TimeoutError("Timeout reading from socket"), "get", None)
+    now[0] += 1.0
+    assert not outage.allows()
+    now[0] += 1.0
+    assert outage.allows()
+
+
+def test_i22_4_c54_c10_a_refused_listener_tries_again_every_second_at_most():
+    """Redis refuses the subscriber's connections for 4 s (restarting, a failover): it
+    tries again at least once a second, so wake-ups by message are back within about a
+    second of Redis answering, however long it was away; its attempts used to double
+    to 2 s, 4 s, 8 s apart (C54, C10)."""
+    attempts: list[float] = []
+
+    def refused() -> Any:
+        attempts.append(time.monotonic())
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+
+    subscriber = listener.WakeupListener(refused, "idem:done", first_wait=0.01)
+    hub = WakeupHub()
+    try:
+        assert subscriber.ensure(hub) is False
+        wait_for(lambda: time.monotonic() - attempts[0] > 4.2, "4 s of refused attempts")
+    finally:
+        subscriber.stop()
+    gaps = [later - earlier for earlier, later in itertools.pairwise(attempts)]
+    assert len(attempts) >= 5 and max(gaps) < 1.3, gaps
+
+
+# -- issue 22 item 2: a shorter waiter never cancels another's wake-up (C53) -------------
+
+
+def test_i22_2_c53_without_scripts_a_shorter_wait_never_shortens_the_waiting_mark(server):
+    """A Redis that refuses scripts (fakeredis here, an ACL without EVAL) gets the mark
+    by ``SET NX`` and ``PEXPIRE GT``: still never shortened by a later, shorter waiter."""
+    client = fakeredis.FakeRedis(server=server)
+    tier = RedisTier(client)
+    name = tier.notifier.waiting_name("e" * 64)
+    assert tier.expect("e" * 64, 10.0)
+    assert tier.expect("e" * 64, 0.2)
+    assert 9_000 < client.pttl(name) <= 11_000
+    assert tier.expect("e" * 64, 30.0)
+    assert 29_000 < client.pttl(name) <= 31_000
+    assert not tier.outage.down
+
+
+# -- issue 22 item 3: a cached copy never outlives its record (C53, C21, C42) ----------
+
+
+def _sample_record(expires_at_ms: int = 99999999999999, body: bytes = b"{}") -> Completed:
+    return Completed("f" * 64, expires_at_ms, StoredResponse(201, (), body))
+
+
+def test_i22_3_c53_the_time_a_copy_may_live_is_read_after_encoding(server, monkeypatch):
+    """Encoding a large body takes time; ``PX`` counts from when Redis runs the ``SET``. The
+    copy's expiry is what the record had left when ``promote`` was called, less the time
+    encoding took and a margin (C53, C21)."""
+    from flask_idempotency.cache import redis as cache_redis
+
+    client = fakeredis.FakeRedis(server=server)
+    tier = RedisTier(client)
+    encode = cache_redis.encode_value
+
+    def slow_encode(record: Completed) -> bytes:
+        time.sleep(0.3)
+        return encode(record)
+
+    monkeypatch.setattr(cache_redis, "encode_value", slow_encode)
+    called = time.monotonic()
+    tier.promote("d" * 64, _sample_record(), 60_000)
+    copy_expires = time.monotonic() + client.pttl(tier.record_name("d" * 64)) / 1000
+    assert copy_expires <= called + 60.0 + 0.005
+
+
+class SlowSet:
+    """A client whose ``SET`` reaches Redis ``delay`` seconds after it was sent: a slow
+    trip, a large value on a slow link, a worker thread that lost the CPU."""
+
+    def __init__(self, client: Any, delay: float) -> None:
+        self._client = client
+        self._delay = delay
+
+    def set(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self._delay)
+        return self._client.set(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_i22_3_c53_a_set_slower_than_the_margin_gets_its_expiry_set_again(server):
+    """However the ``SET`` was delayed on its way, the copy expires no later than its
+    record: a ``SET`` that took longer than the margin to answer may have started its
+    ``PX`` late, so its expiry is set again from a fresh reading (C53, C42)."""
+    client = fakeredis.FakeRedis(server=server)
+    tier = RedisTier(SlowSet(client, 0.3))
+    called = time.monotonic()
+    tier.promote("d" * 64, _sample_record(), 60_000)
+    copy_expires = time.monotonic() + client.pttl(tier.record_name("d" * 64)) / 1000
+    assert copy_expires <= called + 60.0 + 0.005
+    tier.promote("e" * 64, _sample_record(), 200)  # a record with less left than the trip
+    assert client.exists(tier.record_name("e" * 64)) == 0
+
+
+# -- issue 26 item 7: cached values are checked before they are replayed (C22) ----------
+
+
+def _planted(raw: bytes, **changes: Any) -> bytes:
+    """The cached value ``raw`` with its response changed (status, headers)."""
+    origin, _, body = raw.partition(b"\n")
+    record = decode_value(body, ANY_STORED)
+    assert record is not None
+    response = record.response
+    planted = StoredResponse(
+        changes.get("status", response.status),
+        changes.get("headers", response.headers),
+        response.body,
+        response.body_omitted,
+    )
+    return (
+        origin + b"\n" + encode_value(Completed(record.fingerprint, record.expires_at_ms, planted))
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"headers": (("Content-Type", "application/json\r\nX-Injected: 1"),)},
+        {"headers": (("Content-Type", "application/json"), ("Set-Cookie", "session=attacker"))},
+        {"headers": (("Content-Type", "application/json"), ("X-Not-Allowed", "1"))},
+        {"headers": (("Content-Type", "application/json\x00"),)},
+        {"status": 0},
+        {"status": 99},
+        {"status": 600},
+    ],
+    ids=["crlf", "set-cookie", "not-allow-listed", "nul", "status-0", "status-99", "status-600"],
+)
+def test_i26_7_c22_a_cached_value_that_is_not_safe_to_replay_is_a_miss(
+    make_app, server, caplog, change
+):
+    """A value in Redis that decodes is not trusted: a header with CR/LF (every retry a
+    500), a planted ``Set-Cookie`` (session fixation; never replayed), a header the
+    allow-list does not name, a status outside 100-599. Each is a miss: the replay
+    comes from the database, and the read-through repairs the copy (C22)."""
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client)
+    first = post(env)
+    name = env.tier.record_name(digest_of())
+    client.set(name, _planted(client.get(name), **change))
+    caplog.set_level(logging.WARNING, logger="flask_idempotency")
+    with replay_sources(env) as sources:
+        again = post(env)
+    assert again.status_code == 201, again.data
+    assert again.data == first.data and again.headers["Idempotent-Replayed"] == "true"
+    assert "Set-Cookie" not in again.headers and "X-Not-Allowed" not in again.headers
+    assert "X-Injected" not in again.headers
+    assert sources == ["database"]
+    with replay_sources(env) as sources:
+        post(env)
+    assert sources == ["cache"]  # repaired by the read-through
+    assert env.calls == [1]
+    unsafe = [r for r in caplog.records if "not safe to replay" in r.getMessage()]
+    assert len(unsafe) == 1 and RAW_KEY not in caplog.text
+
+
+def test_i26_7_c22_unsafe_cached_values_are_logged_once_not_per_read(make_app, server, caplog):
+    """A copy planted again and again (or many of them) is a miss each time; the log says
+    so once, then at most every few seconds with a count, not once per replay."""
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client)
+    post(env)
+    name = env.tier.record_name(digest_of())
+    planted = _planted(client.get(name), status=0)
+    caplog.set_level(logging.WARNING, logger="flask_idempotency")
+    for _ in range(20):
+        client.set(name, planted)
+        with replay_sources(env) as sources:
+            assert post(env).status_code == 201
+        assert sources == ["database"]
+    unsafe = [r for r in caplog.records if "not safe to replay" in r.getMessage()]
+    assert len(unsafe) == 1
+
+
+def test_i26_7_c22_a_cached_value_with_an_allow_listed_header_of_the_app_replays(make_app, server):
+    """The check follows the app's own ``IDEMPOTENCY_REPLAY_HEADERS`` (and the body's
+    ``Content-Encoding``, always kept): what the app stores, it replays from the cache."""
+    client = fakeredis.FakeRedis(server=server)
+    env = build(make_app, client, replay_headers=["Content-Type", "X-Request-Cost"])
+
+    @env.app.post("/costly")
+    @idempotent
+    def costly() -> Any:
+        return "ok", 201, {"X-Request-Cost": "3", "Content-Encoding": "identity"}
+
+    first = env.app.test_client().post("/costly", headers={"Idempotency-Key": RAW_KEY})
+    stored = decode_value(
+        client.get(env.tier.record_name(digest_of())).partition(b"\n")[2], ANY_STORED
+    )
+    assert stored is not None
+    assert {name for name, _ in stored.response.headers} == {
+        "Content-Type",
+        "X-Request-Cost",
+        "Content-Encoding",
+    }
+    with replay_sources(env) as sources:
+        again = env.app.test_client().post("/costly", headers={"Idempotency-Key": RAW_KEY})
+    assert sources == ["cache"]
+    assert again.headers["X-Request-Cost"] == "3" and again.data == first.data
+
+
+# -- issue 26 item 11: log floods ----------------------------------------------------
+
+
+def test_i26_11_c11_requests_refused_a_place_to_wait_are_logged_once_not_each(
+    make_app, server, caplog
+):
+    """Over ``IDEMPOTENCY_MAX_WAITERS`` each duplicate gets its 409 at once; the log says
+    so once, then at most every few seconds with a count, like the outage lines, instead
+    of one line per refused request (C11)."""
+    env = build(make_app, fakeredis.FakeRedis(server=server), max_waiters=0)
+    env.gate.clear()
+    first, result = in_thread(lambda: post(env))
+    try:
+        assert env.entered.wait(EVENTUALLY)
+        caplog.set_level(logging.WARNING, logger="flask_idempotency")
+        statuses = [post(env).status_code for _ in range(20)]
+    finally:
+        env.gate.set()
+        first.join(EVENTUALLY)
+    assert statuses == [409] * 20 and result[0].status_code == 201
+    refused = [r for r in caplog.records if "too many parked requests" in r.getMessage()]
+    assert len(refused) == 1

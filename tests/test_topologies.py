@@ -559,8 +559,11 @@ def test_i15_c10_a_sharded_subscriber_reads_only_shards_with_data_and_every_buff
 # -- C10 ------------------------------------------------------------------------------------
 
 
-def _wake_by_message(owner: Svc, waiter: Svc, key: str) -> float:
-    """The owner holds ``key``; the waiter parks; the owner finishes: seconds to wake."""
+def _wake_by_message(
+    owner: Svc, waiter: Svc, key: str, while_parked: Any = lambda: time.sleep(0.05)
+) -> float:
+    """The owner holds ``key``; the waiter parks; ``while_parked()``; the owner finishes:
+    seconds to wake."""
     owner.gate.clear()
     owner.entered.clear()
     with ThreadPoolExecutor(2) as pool:
@@ -570,7 +573,7 @@ def _wake_by_message(owner: Svc, waiter: Svc, key: str) -> float:
         deadline = time.monotonic() + EVENTUALLY
         while waiter.state.wakeups.parked_count == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(0.05)
+        while_parked()
         released = time.monotonic()
         owner.gate.set()
         assert first.result(EVENTUALLY).status_code == 201
@@ -820,3 +823,103 @@ def test_i15_6_c25_database_down_while_redis_backs_off_still_replays_from_the_ca
         redis_proxy.stop()
         time.sleep(0.1)
         pg_proxy.stop()
+
+
+# -- issue 22 item 2: a shorter waiter never cancels another's wake-up (C53) -------------------
+
+
+def test_i22_2_c53_a_later_shorter_wait_never_shortens_the_waiting_mark_on_every_topology(
+    make_svc: Any, topology_url: str
+) -> None:
+    """All waiters of a record share one waiting mark: a later waiter with a shorter wait
+    leaves the longer expiry in place, and a longer one extends it (C53)."""
+    svc = make_svc(topology_url)
+    notifier = svc.state.wakeups.channel
+    digest = key_digest(ANONYMOUS_SCOPE, f"mark-{uuid.uuid4().hex}")
+    name = notifier.waiting_name(digest)
+    assert notifier.expect(digest, 10.0)
+    assert notifier.expect(digest, 0.2)  # a once(wait=0.2), or an app with a shorter wait
+    assert 9_000 < notifier._client.pttl(name) <= 11_000
+    assert notifier.expect(digest, 30.0)
+    assert 29_000 < notifier._client.pttl(name) <= 31_000
+
+
+def test_i22_2_c53_c10_a_shorter_waiter_does_not_cancel_a_longer_ones_wakeup_on_every_topology(
+    make_svc: Any, topology_url: str, no_poll_ticks: None
+) -> None:
+    """A waiter parks for 20 s; another one, in an app whose wait is 0.3 s (another version
+    mid-deploy), parks after it and gives up with 409. Past the short waiter's mark (its
+    wait and a second), the original finishes: the long waiter is still woken by message,
+    not left to its 20 s (polls are 10 minutes apart here; C53, C10)."""
+    owner = make_svc(topology_url)
+    waiter = make_svc(topology_url)
+    brief = make_svc(topology_url, IDEMPOTENCY_WAIT=0.3)
+    _listening(waiter)
+
+    def a_shorter_waiter_comes_and_goes() -> None:
+        assert brief.post(key).status_code == 409
+        time.sleep(1.6)  # the short waiter's own wait and its mark's margin have passed
+
+    key = f"short-and-long-{uuid.uuid4().hex[:6]}"
+    woke = _wake_by_message(owner, waiter, key, a_shorter_waiter_comes_and_goes)
+    assert woke < 5.0, woke
+
+
+# -- issue 22 item 3: a cached copy never outlives its record (C53, C21, C42) ------------------
+
+
+def _late(call: Any) -> Any:
+    """``call``, a quarter of a second late."""
+
+    def slowed(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.25)
+        return call(*args, **kwargs)
+
+    return slowed
+
+
+def _completed_copies_expire_with_their_records(svc: Svc) -> None:
+    """Three first executions; each one's cached copy has no more time left than its
+    record by the database clock (three records: on a cluster, most likely on two shards
+    or three)."""
+    for n in range(3):
+        key = f"expiry-{n}-{uuid.uuid4().hex[:6]}"
+        assert svc.post(key).status_code == 201
+        digest = key_digest(ANONYMOUS_SCOPE, key)
+        row = svc.state.store.get(digest)
+        left = svc.state.clock.remaining_ms(row.expires_at_ms)
+        copy_left = svc.state.cache._client.pttl(svc.state.cache.record_name(digest))
+        assert 0 < copy_left <= left + 5, (copy_left, left)
+
+
+def test_i22_3_c53_a_completions_copy_expires_with_its_record_however_slow_the_encoding(
+    make_svc: Any, topology_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion's copy (one round trip with the check for a waiter; on a cluster, on
+    the slot owner's connection) lives no longer than its record has left by the database
+    clock, even when encoding the value takes a quarter of a second (a large body on a
+    busy worker): the time it has left is read after encoding (C53, C21, C42)."""
+    from flask_idempotency.cache import redis as cache_redis
+
+    svc = make_svc(topology_url)
+    monkeypatch.setattr(cache_redis, "encode_value", _late(cache_redis.encode_value))
+    _completed_copies_expire_with_their_records(svc)
+
+
+def test_i22_3_c53_a_completion_late_on_its_way_to_redis_gets_its_expiry_set_again(
+    make_svc: Any, topology_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion's ``SET`` reaches Redis a quarter of a second after its ``PX`` was
+    read (a slow link, a worker thread off the CPU): it took longer than the margin to
+    answer, so its expiry is set again, and the copy still expires with its record
+    (C53, C42). Each topology's path is slowed: the pre-packed pair on one node and on
+    a cluster's slot owner, the pipeline of a Sentinel client."""
+    import redis.client
+
+    from flask_idempotency._wire import redis as wire
+
+    monkeypatch.setattr(wire._Reader, "set_and_wake", _late(wire._Reader.set_and_wake))
+    monkeypatch.setattr(wire.DirectCluster, "set_and_wake", _late(wire.DirectCluster.set_and_wake))
+    monkeypatch.setattr(redis.client.Pipeline, "execute", _late(redis.client.Pipeline.execute))
+    svc = make_svc(topology_url)
+    _completed_copies_expire_with_their_records(svc)

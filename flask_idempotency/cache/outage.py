@@ -1,10 +1,16 @@
 """Losing Redis changes latency, not outcomes (C24): the breaker that skips it while it is down.
 
 Commands run with short socket timeouts and no retries; the first failure marks the
-tier down for a back-off (1 s doubling to 10 s) during which Redis is skipped
-entirely: reads go to the database, waiters poll. One probe at a time tests whether
-it came back. Each outage is logged once as a warning, its end once, and
-``store_error`` with ``tier="cache"`` is sent once per outage (:func:`report_failure`,
+tier down for a back-off (1 s) during which Redis is skipped entirely: reads go to
+the database, waiters poll. One probe at a time tests whether it came back. Only a
+probe's failure can grow the back-off, and only one that made its request wait (a
+timeout): it doubles, up to 10 s. The commands that were already on their way when
+Redis went away fail too, however many there are: together they are the one failure
+that started the outage (C54). A probe refused at once (nothing listens: Redis is
+restarting) cost its request nothing, so the next probe follows one step later, and
+a restarted Redis is in use again within about a second, whatever the load. Each
+outage is logged once as a warning, its end once, and ``store_error`` with
+``tier="cache"`` is sent once per outage (:func:`report_failure`,
 :func:`report_success`).
 
 One :class:`Outage` is shared by a tier's cache and notifier; on a Cluster,
@@ -28,11 +34,13 @@ log = logging.getLogger("flask_idempotency")
 
 
 class Outage:
-    """Tracks whether Redis is usable; after a failure, skips it for a growing back-off.
+    """Tracks whether Redis is usable; after a failure, skips it for a back-off.
 
     Like a circuit breaker: while down, ``allows()`` is false until the back-off
     passes, then exactly one caller is let through as a probe. Its success ends
-    the outage; its failure doubles the back-off (up to ``cap``).
+    the outage; its failure, if it timed out, doubles the back-off (up to ``cap``).
+    A failure of anyone else while down (a command sent before Redis went away)
+    changes nothing: the outage it belongs to has begun already (C54).
     """
 
     def __init__(
@@ -45,6 +53,8 @@ class Outage:
         self._down = False
         self._retry_at = 0.0
         self._backoff = first
+        #: The thread let through as this back-off period's probe (``None``: none is out).
+        self._prober: int | None = None
 
     @property
     def down(self) -> bool:
@@ -58,20 +68,32 @@ class Outage:
             now = self.clock()
             if not self._down or now >= self._retry_at:
                 self._retry_at = now + self._backoff  # the others skip while the probe runs
+                self._prober = threading.get_ident()
                 return True
             return False
 
-    def failed(self) -> bool:
-        """Record a failure; ``True`` if it starts a new outage."""
+    def failed(self, slow: bool = True) -> bool:
+        """Record a failure; ``True`` if it starts a new outage.
+
+        While down, only the probe's failure counts: ``slow`` (it timed out, so its
+        request paid for it) doubles the back-off, a quick one (refused) keeps it; the
+        next probe follows one back-off later. Anyone else's failure is a command from
+        before the outage and changes nothing.
+        """
         with self._lock:
-            started = not self._down
-            if started:
+            if not self._down:
+                self._down = True
                 self._backoff = self._first
-            else:
+                self._retry_at = self.clock() + self._backoff
+                self._prober = None
+                return True
+            if self._prober != threading.get_ident():
+                return False
+            self._prober = None
+            if slow:
                 self._backoff = min(self._backoff * 2, self._cap)
-            self._down = True
             self._retry_at = self.clock() + self._backoff
-            return started
+            return False
 
     def succeeded(self) -> bool:
         """Record a success; ``True`` if it ends an outage."""
@@ -81,6 +103,7 @@ class Outage:
             ended = self._down
             self._down = False
             self._backoff = self._first
+            self._prober = None
             return ended
 
 
@@ -128,8 +151,23 @@ class ShardOutages:
 # -- outage bookkeeping (shared by the cache and the notifier) ------------------------
 
 
+def timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a timeout: the request waited for it, unlike
+    a refused connection or an error reply, which cost nothing."""
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    seen: BaseException | None = exc
+    for _ in range(8):  # the chain of causes, bounded
+        if seen is None:
+            return False
+        if isinstance(seen, (RedisTimeout, TimeoutError)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def report_failure(outage: Outage, exc: BaseException, action: str, key_digest: str | None) -> None:
-    if not outage.failed():
+    if not outage.failed(slow=timed_out(exc)):
         return
     log.warning(
         "idempotency: Redis unavailable (%s: %s); serving from the database and"

@@ -4,9 +4,13 @@ Redis is never the source of truth (C22). It holds only completed records, under
 ``{prefix}:{origin}:{<digest>}`` (:mod:`.codec`); each cached value also names its
 origin and is checked on read. A copy expires after the time the durable record has
 left by the *database's* clock (``PX``, C42): neither the app host's clock nor
-Redis's has to agree with it. Absence and in-progress state are never cached: a miss
-always falls through to the durable store. Completion promotes the record and, in
-the same round trip, asks whether a waiter wants its wake-up (:mod:`..notify`).
+Redis's has to agree with it. That time is read after the value is encoded, less
+:data:`EXPIRY_MARGIN_MS` for the trip to Redis, and read again if the ``SET`` took
+longer than the margin to answer: a copy never outlives its record (C53). Absence
+and in-progress state are never cached: a miss always falls through to the durable
+store. Completion promotes the record and, in the same round trip, asks whether a
+waiter wants its wake-up (:mod:`..notify`). A value read back is replayed only if
+the app could have stored it (:class:`~.codec.ReplayHeaders`, C22).
 
 Losing Redis changes latency, not outcomes (C24): every call goes through the
 tier's breaker (:mod:`.outage`), and no method raises. A plain single-node client
@@ -16,25 +20,44 @@ reads through the pre-packed fast path of :mod:`flask_idempotency._wire.redis`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._wire.redis import _reader_for
+from ..config import Settings
+from ..logs import ThrottledLog
 from ..notify.cluster import ClusterNotifier
 from ..notify.redis import RedisNotifier
 from ..records import Completed
+from ..responses import BODY_HEADERS
 from .cluster import promote_and_publish_on_shard
-from .codec import Origin, decode_value, encode_value, names_prefix
+from .codec import (
+    Origin,
+    ReplayHeaders,
+    UnsafeValue,
+    decode_value,
+    encode_value,
+    names_prefix,
+)
 from .outage import Outage, ShardOutages, report_failure, report_success
 
 log = logging.getLogger("flask_idempotency")
+
+#: Milliseconds a cached copy's expiry is set short of its record's: the time between
+#: reading what the record has left and Redis running the ``SET`` (sending the value,
+#: the trip to Redis), during which ``PX`` has not started counting. A ``SET`` that took
+#: longer than this to answer may have started late: its expiry is set again (C53).
+EXPIRY_MARGIN_MS = 50
 
 
 class RedisCache:
     """:class:`~flask_idempotency.cache.ResponseCache` on Redis (single node, Sentinel, Cluster).
 
     Only single-key commands, each on a hash-tagged key: the same code runs on a
-    cluster, where a record's key lives in its digest's slot.
+    cluster, where a record's key lives in its digest's slot. ``replay_headers``: the
+    app's ``IDEMPOTENCY_REPLAY_HEADERS`` (the defaults if not given); a cached value
+    with any other header is not replayed (C22).
     """
 
     def __init__(
@@ -45,6 +68,7 @@ class RedisCache:
         origin: str | Callable[[], str] = "",
         outage: Outage | None = None,
         shards: ShardOutages | None = None,
+        replay_headers: Iterable[str] | None = None,
     ) -> None:
         self._client = client
         self.prefix = prefix
@@ -52,6 +76,10 @@ class RedisCache:
         self.outage = outage or Outage()
         self._shards = shards
         self._foreign_logged = False
+        #: What a cached value's headers may be: what the app stores (C22).
+        allowed = Settings.replay_headers if replay_headers is None else replay_headers
+        self._replay_headers = ReplayHeaders({*allowed, *BODY_HEADERS})
+        self._unsafe_log = ThrottledLog()
         self._reader = _reader_for(client)
         #: The part of every record name before its digest, and the origin as bytes,
         #: made once the origin is known (every read used to format them again).
@@ -79,6 +107,25 @@ class RedisCache:
     def _encode(self, record: Completed) -> bytes:
         return self.origin.encode("ascii") + b"\n" + encode_value(record)
 
+    def _encoded_with_ttl(
+        self, record: Completed, ttl_ms: int, called: float
+    ) -> tuple[bytes, int, float]:
+        """The cached value, then the ``PX`` it may have: ``ttl_ms`` (what the record had
+        left at ``called``) less the time encoding took and :data:`EXPIRY_MARGIN_MS`,
+        and the moment that was read (C53)."""
+        value = self._encode(record)
+        now = time.monotonic()
+        return value, ttl_ms - int((now - called) * 1000) - EXPIRY_MARGIN_MS, now
+
+    def _expire_again_if_late(self, name: str, px: int, read_at: float) -> None:
+        """After a ``SET name … PX px`` whose ``px`` was read at ``read_at``: if the answer
+        took longer than the margin, the ``SET`` may have run late and the copy would
+        outlive its record; set its expiry again from now (a time not positive deletes
+        it). Redis runs this one a trip after it is sent too: within the margin again."""
+        taken_ms = int((time.monotonic() - read_at) * 1000)
+        if taken_ms > EXPIRY_MARGIN_MS:
+            self._client.pexpire(name, px - taken_ms)
+
     def _decode(self, raw: bytes | str, key_digest: str) -> Completed | None:
         if isinstance(raw, str):
             raw = raw.encode("utf-8")
@@ -99,7 +146,18 @@ class RedisCache:
                     self.origin,
                 )
             return None
-        return decode_value(body)
+        try:
+            return decode_value(body, self._replay_headers)
+        except UnsafeValue as exc:
+            # Written by hand or by something else (this code never stores such a value):
+            # a miss, so the replay comes from the database and the read-through repairs it.
+            self._unsafe_log.warning(
+                "idempotency: a cached record under %s is not safe to replay (%s); ignored,"
+                " read from the database",
+                key_digest[:16],
+                exc,
+            )
+            return None
 
     def _read(self, key_digest: str) -> Any:
         # Not a bound method chosen once and kept: that would make the cache a reference
@@ -143,10 +201,16 @@ class RedisCache:
             return None
 
     def promote(self, key_digest: str, record: Completed, ttl_ms: int) -> None:
-        if ttl_ms <= 0 or not self.outage_for(key_digest).allows():
+        called = time.monotonic()
+        if ttl_ms <= EXPIRY_MARGIN_MS or not self.outage_for(key_digest).allows():
             return
         try:
-            self._client.set(self.record_name(key_digest), self._encode(record), px=ttl_ms)
+            value, px, read_at = self._encoded_with_ttl(record, ttl_ms, called)
+            if px <= 0:
+                return
+            name = self.record_name(key_digest)
+            self._client.set(name, value, px=px)
+            self._expire_again_if_late(name, px, read_at)
         except Exception as exc:
             self._failed(exc, "promote", key_digest)
             return
@@ -157,7 +221,7 @@ class RedisCache:
     ) -> bool:
         """Promote and ask for waiters in one round trip (C23), then publish the wake-up if
         one waits, when ``notifier`` publishes on this cache's Redis; ``False``, having
-        done nothing, otherwise.
+        done nothing, otherwise. ``ttl_ms`` is what the record has left now (C53).
 
         On a cluster both go to the master that owns the record's slot, whose shard
         channel the wake-up uses (:func:`.cluster.promote_and_publish_on_shard`)."""
@@ -175,25 +239,30 @@ class RedisCache:
             and notifier.outage is self.outage
         ):
             return False
+        called = time.monotonic()
         if not self.outage.allows():
             return True  # skipped, as the two calls would have been
         waiting = notifier.waiting_name(key_digest)
+        name = self.record_name(key_digest)
         try:
+            value, px, read_at = self._encoded_with_ttl(record, ttl_ms, called)
             if self._reader is not None:
                 self._reader.set_and_wake(
-                    self.record_name(key_digest),
-                    self._encode(record),
-                    ttl_ms,
+                    name,
+                    value,
+                    px,
                     waiting,
                     ("PUBLISH", notifier.channel, notifier.wakeup_payload(key_digest, event)),
                 )
             else:
                 pipe = self._client.pipeline(transaction=False)
-                if ttl_ms > 0:
-                    pipe.set(self.record_name(key_digest), self._encode(record), px=ttl_ms)
+                if px > 0:
+                    pipe.set(name, value, px=px)
                 pipe.exists(waiting)
                 if pipe.execute()[-1]:
                     notifier._publish_now(key_digest, event)
+            if px > 0:
+                self._expire_again_if_late(name, px, read_at)
         except Exception as exc:
             self._failed(exc, "promote", key_digest)
             return True

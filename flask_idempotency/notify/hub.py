@@ -18,14 +18,13 @@ waits for, the usual case, wakes no listener in any process.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol, TypeVar
 
-log = logging.getLogger("flask_idempotency")
+from ..logs import ThrottledLog
 
 T = TypeVar("T")
 #: How long a waiter registered without a wait of its own is expected by other processes.
@@ -79,6 +78,8 @@ class WakeupHub:
         self._count = 0
         self._lock = threading.Lock()
         self.channel: CrossProcessChannel | None = None
+        #: One line for a run of requests refused a place to wait, not one each.
+        self.refusals_log = ThrottledLog()
 
     @contextmanager
     def parked(self, key_digest: str, wait: float = _DEFAULT_EXPECT) -> Iterator[Parked]:
@@ -182,5 +183,9 @@ def wait_for_owner(
                     break
                 parked.wait(min(remaining, polls.next()))
     except TooManyWaiters:
-        log.warning("idempotency: too many parked requests in this process; not waiting")
+        hub.refusals_log.warning(
+            "idempotency: too many parked requests in this process (IDEMPOTENCY_MAX_WAITERS"
+            " = %d); a duplicate was answered at once instead of waiting",
+            hub._max_waiters,
+        )
     return outcome

@@ -31,6 +31,7 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import process
+from ..cache.outage import timed_out
 
 if TYPE_CHECKING:
     from .hub import WakeupHub
@@ -46,9 +47,13 @@ READ_TICK = 0.5
 HEARTBEAT_INTERVAL = 5.0
 #: Seconds a heartbeat or the subscribe acknowledgement may take before we reconnect.
 ANSWER_TIMEOUT = 5.0
-#: Reconnect back-off: first delay and ceiling, in seconds.
+#: Reconnect back-off: first delay and ceiling, in seconds. It grows to ``BACKOFF_CAP``
+#: only while attempts time out; attempts refused at once (Redis restarting, a failover)
+#: cost nothing and go on every ``BACKOFF_QUICK_CAP`` at most, so the subscription is
+#: back within about a second of Redis answering, however long it was away (C54).
 BACKOFF_FIRST = 0.25
 BACKOFF_CAP = 10.0
+BACKOFF_QUICK_CAP = 1.0
 
 _HEARTBEAT = "flask-idempotency-heartbeat"
 
@@ -162,6 +167,7 @@ class WakeupListener:
         outage_logged = False
         while not self._stopping.is_set():
             pubsub = None
+            slow = False
             try:
                 pubsub = self._connect().pubsub(ignore_subscribe_messages=False)
                 pubsub.subscribe(self.channel)
@@ -169,6 +175,7 @@ class WakeupListener:
             except _Idle:
                 self._stopping.set()
             except Exception as exc:
+                slow = isinstance(exc, ListenerLost) or timed_out(exc)
                 new_outage = self._confirmed.is_set() or not outage_logged
                 if new_outage and not self._stopping.is_set():
                     log.info(
@@ -188,7 +195,7 @@ class WakeupListener:
                 backoff = BACKOFF_FIRST
             if self._stopping.wait(backoff) or self._idle():
                 break
-            backoff = min(backoff * 2, BACKOFF_CAP)
+            backoff = min(backoff * 2, BACKOFF_CAP if slow else BACKOFF_QUICK_CAP)
         self._stopping.set()
         with self._lock:
             interrupt, self._interrupt = self._interrupt, None

@@ -31,6 +31,15 @@ CHANNEL_SUFFIX = "done"
 WAITING_SUFFIX = "waiting"
 #: A waiting mark outlives its waiter's own wait by this much (a slow re-read, a late start).
 _EXPECT_MARGIN = 1.0
+#: Sets a waiting mark to live at least ``ARGV[1]`` ms, never less than it has left: all
+#: the waiters of a record share the mark, and a later one with a shorter wait must not
+#: cut short a longer one's wake-up (C53). One command, the same on Redis 6 and 7.
+_MARK_SCRIPT = """
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+end
+return 1
+"""
 
 
 class RedisNotifier:
@@ -57,6 +66,8 @@ class RedisNotifier:
         # (and so the client) when the last app using it is gone (9.8).
         self._listener_base = listener_key or ("client", client)
         self._first_wait = first_wait
+        #: Whether the server runs scripts (``None``: not asked yet); see :meth:`_mark`.
+        self._scripts: bool | None = None
 
     @property
     def channel(self) -> str:
@@ -83,21 +94,50 @@ class RedisNotifier:
 
     def expect(self, key_digest: str, seconds: float) -> bool:
         """Record that a waiter of this process waits up to ``seconds`` for ``key_digest``:
-        whoever settles it within that time publishes the wake-up (see :mod:`.hub`)."""
+        whoever settles it within that time publishes the wake-up (see :mod:`.hub`). The
+        record's one mark is extended to cover this wait, never shortened (C53)."""
         outage = self._outage_for(key_digest)
         if not outage.allows():
             return False
         try:
-            self._client.set(
-                self.waiting_name(key_digest),
-                b"1",
-                px=max(1, int((seconds + _EXPECT_MARGIN) * 1000)),
+            self._mark(
+                self.waiting_name(key_digest), max(1, int((seconds + _EXPECT_MARGIN) * 1000))
             )
         except Exception as exc:
             report_failure(outage, exc, "expect", key_digest)
             return False
         report_success(outage)
         return True
+
+    def _mark(self, name: str, ttl_ms: int) -> None:
+        """Make the waiting mark ``name`` live at least ``ttl_ms`` from now, never less than
+        it has left: :data:`_MARK_SCRIPT`, or, on a server that refuses scripts (an ACL
+        without ``EVAL``, a stand-in like fakeredis), ``SET NX`` then ``PEXPIRE GT``. Both
+        only lengthen a mark. Whether scripts run is asked once, with a script of its own,
+        so that an error of the real one (a demoted master's ``READONLY``) is a failure.
+        """
+        from redis.exceptions import ResponseError
+
+        client = self._client
+        if self._scripts is None:
+            try:
+                client.eval("return 1", 0)
+                self._scripts = True
+            except ResponseError as exc:
+                self._scripts = False
+                log.info(
+                    "idempotency: Redis refuses scripts (%s); waiting marks are set with"
+                    " SET NX and PEXPIRE GT",
+                    exc,
+                )
+        if self._scripts:
+            client.eval(_MARK_SCRIPT, 1, name, ttl_ms)
+            return
+        client.set(name, b"1", px=ttl_ms, nx=True)
+        try:
+            client.pexpire(name, ttl_ms, gt=True)
+        except ResponseError:
+            pass  # Redis 6 without scripts: no GT; a later, longer waiter is woken by polling
 
     def publish(self, key_digest: str, event: str) -> None:
         """Wake the processes waiting for ``key_digest``, if any waits (one ``EXISTS``;
