@@ -459,7 +459,7 @@ def test_i23_8_c57_opentelemetry_metrics_match_the_prometheus_ones(make_app) -> 
 
 
 def test_i23_8_c57_off_by_default_and_on_by_configuration(make_app) -> None:
-    from flask_idempotency.telemetry import _hubs
+    from flask_idempotency.telemetry.hub import _hubs
     from flask_idempotency.telemetry.otel import OpenTelemetryMetrics, OpenTelemetryTracing
     from flask_idempotency.telemetry.prometheus import PrometheusMetrics
 
@@ -521,7 +521,7 @@ def test_i23_8_c57_an_unprotected_request_runs_nothing_with_telemetry_on(make_ap
 
 
 def test_i23_8_c57_disabled_layer_reports_nothing(make_app) -> None:
-    from flask_idempotency.telemetry import _hubs
+    from flask_idempotency.telemetry.hub import _hubs
 
     app, _, _ = build(make_app, {"IDEMPOTENCY_ENABLED": False, "IDEMPOTENCY_METRICS": "prometheus"})
     assert app not in _hubs
@@ -567,7 +567,7 @@ def test_i23_8_c57_the_docs_name_every_metric_label_and_decision(make_app) -> No
     import re
     from pathlib import Path
 
-    from flask_idempotency.telemetry import _TRANSLATE
+    from flask_idempotency.telemetry.hub import _TRANSLATE
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text()
     app, _, gates = build(make_app)

@@ -41,8 +41,8 @@ from sqlalchemy import (
     select,
 )
 
-from . import dialects as _dialects  # noqa: F401 - how each database writes db_now_ms
 from .clock import db_now_ms
+from .dialects import of as _registers_clock_rules  # noqa: F401 - each database's db_now_ms
 from .errors import StoreError, StoreMisconfigured
 
 #: ``<records table><IDENTITY_SUFFIX>`` holds the store's identity.

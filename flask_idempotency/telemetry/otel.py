@@ -51,7 +51,7 @@ from flask import Flask
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from . import BUCKETS, Decision, add_sink, digest_prefix
+from .hub import BUCKETS, Decision, add_sink, digest_prefix
 
 __all__ = ["OpenTelemetryMetrics", "OpenTelemetryTracing", "instrument"]
 

@@ -25,7 +25,7 @@ from typing import Any
 from flask import Flask
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
-from . import BUCKETS, Decision, add_sink
+from .hub import BUCKETS, Decision, add_sink
 
 __all__ = ["PrometheusMetrics", "instrument"]
 
