@@ -392,6 +392,36 @@ def settle(url: str, ledger: Ledger, within: float) -> None:
     session.close()
 
 
+def cut_off_completions(view_log: Path) -> list[str]:
+    """Keys whose owner could not store its result: the store was cut at its completion."""
+    if not view_log.exists():
+        return []
+    return sorted(
+        {
+            fields[5]
+            for fields in (line.split() for line in view_log.read_text().splitlines())
+            if fields[2:5] == ["store-error", "database", "complete"] and fields[5] != "-"
+        }
+    )
+
+
+def audit(url: str, ledger: Ledger, view_log: Path) -> None:
+    """Ask once more, after a lease, for every key whose completion a cut swallowed.
+
+    Its client got its answer, so the traffic may never have asked again; a late
+    duplicate shows whether the result was kept or the claim lapsed and the view
+    runs a second time (what C14/C15 allow when the completion never committed).
+    """
+    keys = [ledger.keys[name] for name in cut_off_completions(view_log) if name in ledger.keys]
+    if not keys:
+        return
+    time.sleep(LEASE + 1)
+    session = requests.Session()
+    for key in keys:
+        call(session, url, key, "audit", ledger)
+    session.close()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     redis_binary = system_binary("redis-server")
     if redis_binary is None:
@@ -470,6 +500,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if ledger.unsettled():
                 time.sleep(LEASE + 1)
             settle(server.url, ledger, within=120)
+            audit(server.url, ledger, view_log)
             time.sleep(SAMPLE_EVERY)
             sampler.sample("quiet")
             gunicorn_log = Path(server._log.name).read_text(errors="replace")
@@ -521,6 +552,11 @@ def analyse(
         elif fields[2] == "store-error":
             store_errors[fields[5]].append(fields)
     per_key = collections.Counter(len(executions.get(name, ())) for name in ledger.keys)
+    cut_off = {
+        name
+        for name, errors in store_errors.items()
+        if any(f[3:5] == ["database", "complete"] for f in errors)
+    }
     twice = {
         name: {
             "starts": [round(float(f[0]) - t0, 2) for f in runs],
@@ -633,8 +669,11 @@ def analyse(
         "per_minute": minutes,
         "gunicorn_error_lines": gunicorn_errors[:50],
     }
+    summary["completion_cut_off_keys"] = len(cut_off)
+    summary["reruns_after_cut_off_completion"] = sorted(set(twice) & cut_off)
     summary["verdict"] = {
         "every_key_once": set(per_key) <= {1} and not unknown,
+        "no_unexplained_rerun": not (set(twice) - cut_off),
         "no_5xx_outside_cuts": not fivexx_out,
         "no_500": not any(a.status == 500 for a in answers),
         "replays_identical": not ledger.replay_mismatches,
@@ -700,7 +739,11 @@ def markdown(s: dict[str, Any]) -> str:
         f"- keys: {s['keys']} {s['keys_by_kind']}; requests: {s['requests']}; "
         f"replays: {s['replays']}",
         f"- executions per key: {s['executions_per_key']}",
-        f"- keys executed more than once: {len(s['executed_more_than_once'])}",
+        f"- keys executed more than once: {len(s['executed_more_than_once'])}, of them after"
+        f" their first run's completion was cut off (C14/C15):"
+        f" {len(s['reruns_after_cut_off_completion'])}",
+        f"- keys whose completion was cut off: {s['completion_cut_off_keys']}; a late"
+        f" request for each after one lease: {s['by_action'].get('audit', {})}",
         f"- keys never answered after settling: {len(s['unsettled_keys'])}",
         f"- replays not byte-identical: {len(s['replay_mismatches'])}",
         f"- 5xx inside PostgreSQL cuts: {s['5xx_inside_cuts']}; outside: "
