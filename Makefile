@@ -19,7 +19,7 @@ endif
 PORT ?= 5000
 HOST ?= 127.0.0.1
 
-.PHONY: install system-deps run test test-fast test-versions lint chaos bench profile docs dist package-check clean
+.PHONY: install system-deps run test test-fast test-versions lint chaos bench profile soak docs dist package-check clean
 
 install: $(STAMP)
 
@@ -106,6 +106,12 @@ profile: install
 	$(PY) -c "import matplotlib, idemkit, asyncpg" 2>/dev/null && test -x $(VENV)/bin/py-spy \
 	  || $(PIP) install -q -e '.[bench]'
 	$(PY) bench/profiling.py $(PROFILE_ARGS)
+
+# Not in CI: 20 minutes (SOAK_ARGS="--minutes 2" for a short one) of mixed traffic under
+# gunicorn while a private Redis is SIGKILLed and PostgreSQL is cut behind a proxy; counts
+# executions per key, 5xx, RSS, fds and connections: bench/results/soak/, docs/soak.png.
+soak: install
+	$(PY) bench/soak.py $(SOAK_ARGS)
 
 # The Sphinx site in docs/_build/html, warnings as errors; then headless Chromium takes
 # screenshots of the home page and the API reference (docs/_build/screenshots/) and
