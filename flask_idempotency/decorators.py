@@ -21,7 +21,8 @@ from typing import Any, TypeVar, overload
 from flask import current_app, has_request_context, request
 
 from .config import RouteOptions
-from .lifecycle import GUARDED_ATTR, ROUTE_OPTIONS_ATTR, current_ownership
+from .lifecycle import current_ownership
+from .marks import GUARDED_ATTR, ROUTE_OPTIONS_ATTR
 from .state import EXTENSION_NAME
 
 F = TypeVar("F", bound=Callable[..., Any])

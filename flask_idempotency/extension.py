@@ -15,6 +15,7 @@ from .cache import NoCache, ResponseCache
 from .completion.unit import guard_sessions
 from .config import ConfigVars, EffectiveOptions, Settings
 from .jobs import Once
+from .marks import ROUTE_OPTIONS_ATTR
 from .notify import WakeupHub
 from .state import EXTENSION_NAME, AppState, describe_url, redis_target
 from .store import DurableStore
@@ -259,7 +260,7 @@ def _check_registered_views(app: Flask, settings: Settings) -> None:
     Views registered after ``init_app`` are checked when their first request arrives.
     """
     for endpoint, view in app.view_functions.items():
-        route = getattr(view, lifecycle.ROUTE_OPTIONS_ATTR, None)
+        route = getattr(view, ROUTE_OPTIONS_ATTR, None)
         if route is not None:
             try:
                 EffectiveOptions.merge(settings, route)

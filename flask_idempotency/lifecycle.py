@@ -37,6 +37,7 @@ from .config import EffectiveOptions, RouteOptions
 from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, decide
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
+from .marks import GUARDED_ATTR, ROUTE_OPTIONS_ATTR, marked, route_options
 from .notify import wait_for_owner
 from .problems import (
     InvalidKeyProblem,
@@ -55,10 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flask_idempotency")
 
-#: Attribute ``@idempotent`` sets on a view function.
-ROUTE_OPTIONS_ATTR = "__idempotency_options__"
-#: On the guard ``@idempotent`` returns: the view it guards, which the layer calls itself.
-GUARDED_ATTR = "__idempotency_guarded__"
 #: Header on a response the view produced without protection (``IDEMPOTENCY_FAIL_OPEN``).
 UNPROTECTED_HEADER = "Idempotency-Unprotected"
 _STORE_RETRY_AFTER = 3.0
@@ -68,8 +65,6 @@ _STORE_RETRY_AFTER = 3.0
 _OWNERSHIP_KEY = "flask_idempotency.ownership"
 #: Set on the wrapper that stands for a marked view in ``app.view_functions``.
 _PROTECTED_ATTR = "__idempotency_protected__"
-#: Handler methods a class-based view may carry ``@idempotent`` on.
-_HANDLER_NAMES = ("get", "post", "put", "patch", "delete", "head", "options", "trace")
 
 
 def current_ownership() -> Ownership | None:
@@ -111,19 +106,14 @@ def protect_views(app: Flask) -> None:
     """
     views = app.view_functions
     for endpoint, view in list(views.items()):
-        if not getattr(view, _PROTECTED_ATTR, False) and _marked(view):
+        if not getattr(view, _PROTECTED_ATTR, False) and marked(view):
             views[endpoint] = _protect(app, view)
             misuse.warn_unprotectable(
                 app,
                 app.extensions["idempotency"],
                 endpoint,
-                functools.partial(_route_options, view),
+                functools.partial(route_options, view),
             )
-
-
-def _marked(view: Callable[..., Any]) -> bool:
-    """Whether ``view`` is protected for any method (see :func:`_route_options`)."""
-    return any(_route_options(view, name) is not None for name in _HANDLER_NAMES)
 
 
 def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
@@ -137,7 +127,7 @@ def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(view)
     def protected(*args: Any, **kwargs: Any) -> Any:
         req = _current_request()  # bound once: each read through the proxy is a context lookup
-        route = fixed if fixed is not None else _route_options(view, req.method)
+        route = fixed if fixed is not None else route_options(view, req.method)
         if route is not None:
             decided = _decide_request(state, req, route, app)
             if isinstance(decided, Ownership):
@@ -152,17 +142,6 @@ def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
 
 #: The request object itself, without the attribute proxying of ``request``.
 _current_request: Callable[[], Any] = request._get_current_object  # type: ignore[attr-defined]
-
-
-def _route_options(view: Callable[..., Any], method: str) -> RouteOptions | None:
-    """The ``@idempotent`` options of ``view`` for ``method``, if protected."""
-    options: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
-    if options is None:
-        view_class = getattr(view, "view_class", None)
-        if view_class is not None:
-            handler = getattr(view_class, method.lower(), None)
-            options = getattr(handler, ROUTE_OPTIONS_ATTR, None)
-    return options
 
 
 # -- deciding --------------------------------------------------------------------------
@@ -289,26 +268,21 @@ def _wait_for_original(
 
 
 def _store_down(state: AppState, ident: Identity, started: float, exc: StoreError) -> None:
-    """Answer 503 for a store that cannot claim; return only when the app fails open (C25)."""
-    if isinstance(exc, StoreMisconfigured):  # a deployment error: never fail open for it (C45)
+    """Answer 503 for a store that cannot claim; return only when the app fails open (C25).
+
+    A missing or mismatched table is a deployment error: never fail open for it (C45).
+    """
+    misconfigured = isinstance(exc, StoreMisconfigured)
+    fail_open = state.settings.fail_open and not misconfigured
+    if misconfigured:
         log.error("idempotency: %s", exc)
-        _send(
-            signals.store_error,
-            ident,
-            started,
-            tier="database",
-            error=str(exc),
-            action="claim",
-            answer="503",
+    else:
+        state.outage_log.warning(
+            "idempotency: durable store unavailable (%s), e.g. for key %s",
+            exc,
+            ident.key_digest[:16],
         )
-        raise StoreUnavailable(
-            "The idempotency table is not set up, so the request was not processed.",
-            retry_after=_STORE_RETRY_AFTER,
-        )
-    state.outage_log.warning(
-        "idempotency: durable store unavailable (%s), e.g. for key %s", exc, ident.key_digest[:16]
-    )
-    fail_open = state.settings.fail_open
+    answer = "unprotected" if fail_open else "503"
     _send(
         signals.store_error,
         ident,
@@ -316,12 +290,14 @@ def _store_down(state: AppState, ident: Identity, started: float, exc: StoreErro
         tier="database",
         error=str(exc),
         action="claim",
-        answer="unprotected" if fail_open else "503",
+        answer=answer,
     )
     if fail_open:
         return
     raise StoreUnavailable(
-        "The idempotency store is unavailable, so the request was not processed."
+        "The idempotency table is not set up, so the request was not processed."
+        if misconfigured
+        else "The idempotency store is unavailable, so the request was not processed."
         " Retry later with the same key.",
         retry_after=_STORE_RETRY_AFTER,
     )  # C25
