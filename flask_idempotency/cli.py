@@ -27,7 +27,7 @@ from flask import current_app
 from flask.cli import AppGroup
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from .cli_render import iso, moment, printable, relative
+from .cli_render import describe_record, iso, moment, printable
 from .fingerprint import ANONYMOUS_SCOPE, authorization_scope, key_digest, with_host
 from .keys import InvalidKey, parse_key
 from .store.identity import missing_help
@@ -35,7 +35,6 @@ from .store.maintenance import (
     IdentityReport,
     Maintenance,
     MaintenanceError,
-    RecordView,
     TableMissing,
 )
 
@@ -336,40 +335,6 @@ def _read_authorization() -> str:
     return value
 
 
-def _describe_record(record: RecordView) -> list[str]:
-    """The record as lines for a terminal: every value that came from a request (the
-    scope, method and path, the header names of the view's answer) is escaped."""
-    now = record.now_ms
-    lines = [
-        f"digest         {printable(record.key_digest)}",
-        f"scope          {printable(record.scope)}",
-        f"state          {printable(record.state)}",
-        f"request        {printable(record.method)} {printable(record.path)}",
-        f"created        {iso(record.created_at_ms)}{relative(record.created_at_ms, now)}",
-        f"expires        {iso(record.expires_at_ms)}{relative(record.expires_at_ms, now)}",
-    ]
-    if record.lease_expires_at_ms is not None:
-        lines.append(
-            f"lease until    {iso(record.lease_expires_at_ms)}"
-            f"{relative(record.lease_expires_at_ms, now)}"
-        )
-    if record.completed_at_ms is not None:
-        lines.append(
-            f"completed      {iso(record.completed_at_ms)}{relative(record.completed_at_ms, now)}"
-        )
-    if record.response_status is not None:
-        size = record.body_size or 0
-        omitted = (
-            " (body omitted: larger than IDEMPOTENCY_MAX_BODY_BYTES)" if record.body_omitted else ""
-        )
-        lines.append(f"status         {record.response_status}")
-        lines.append(f"body           {size} bytes{omitted}")
-        if record.response_headers:
-            names = (printable(str(name)) for name, _ in json.loads(record.response_headers))
-            lines.append(f"headers        {', '.join(names)}")
-    return lines
-
-
 @idempotency_cli.command("show")
 @_record_options
 @click.option("--body", "with_body", is_flag=True, help="Also print the stored response body.")
@@ -404,7 +369,7 @@ def show_command(
     record = maintenance.lookup(digest, with_body=with_body)
     if record is None:
         raise _no_record(digest, scope, authorization, by_digest)
-    click.echo("\n".join(_describe_record(record)))
+    click.echo("\n".join(describe_record(record)))
     if with_body and record.body is not None:
         click.echo("")
         if raw or not _stdout_is_terminal():
@@ -436,7 +401,7 @@ def forget_command(
     record = maintenance.lookup(digest)
     if record is None:
         raise _no_record(digest, scope, authorization, by_digest)
-    click.echo("\n".join(_describe_record(record)))
+    click.echo("\n".join(describe_record(record)))
     lease_live = (
         record.state == "in_progress"
         and record.lease_expires_at_ms is not None

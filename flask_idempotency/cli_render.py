@@ -8,9 +8,14 @@ operator's terminal raw: control and format characters are escaped
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .store.maintenance import RecordView
 
 #: Characters looked at by :func:`printable`: all but printable ASCII other than ``\``.
 _SUSPECT = re.compile(r"[^\x20-\x5b\x5d-\x7e]")
@@ -79,3 +84,37 @@ def span(seconds: float) -> str:
     if seconds < 86400:
         return f"{seconds // 3600:.0f}h {seconds % 3600 // 60:.0f}m"
     return f"{seconds // 86400:.0f}d {seconds % 86400 // 3600:.0f}h"
+
+
+def describe_record(record: RecordView) -> list[str]:
+    """The record as lines for a terminal: every value that came from a request (the
+    scope, method and path, the header names of the view's answer) is escaped."""
+    now = record.now_ms
+    lines = [
+        f"digest         {printable(record.key_digest)}",
+        f"scope          {printable(record.scope)}",
+        f"state          {printable(record.state)}",
+        f"request        {printable(record.method)} {printable(record.path)}",
+        f"created        {iso(record.created_at_ms)}{relative(record.created_at_ms, now)}",
+        f"expires        {iso(record.expires_at_ms)}{relative(record.expires_at_ms, now)}",
+    ]
+    if record.lease_expires_at_ms is not None:
+        lines.append(
+            f"lease until    {iso(record.lease_expires_at_ms)}"
+            f"{relative(record.lease_expires_at_ms, now)}"
+        )
+    if record.completed_at_ms is not None:
+        lines.append(
+            f"completed      {iso(record.completed_at_ms)}{relative(record.completed_at_ms, now)}"
+        )
+    if record.response_status is not None:
+        size = record.body_size or 0
+        omitted = (
+            " (body omitted: larger than IDEMPOTENCY_MAX_BODY_BYTES)" if record.body_omitted else ""
+        )
+        lines.append(f"status         {record.response_status}")
+        lines.append(f"body           {size} bytes{omitted}")
+        if record.response_headers:
+            names = (printable(str(name)) for name, _ in json.loads(record.response_headers))
+            lines.append(f"headers        {', '.join(names)}")
+    return lines
