@@ -64,7 +64,8 @@ class Watchdog:
     """The statements under way and the thread that cuts off the late ones."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # taken directly where no waiting is involved
+        self._cond = threading.Condition(self._lock)
         #: Deadlines under way (a dict for its order and O(1) removal).
         self._watched: dict[Deadline, None] = {}
         self._thread: threading.Thread | None = None
@@ -82,7 +83,7 @@ class Watchdog:
         except Exception:  # not a PostgreSQL driver's connection, or already closed
             return False
         due = time.monotonic() + deadline.seconds
-        with self._cond:
+        with self._lock:
             deadline.fd, deadline.due = fd, due
             self._watched[deadline] = None
             if self._thread is None:
@@ -97,7 +98,7 @@ class Watchdog:
 
     def unwatch(self, deadline: Deadline) -> None:
         """The statement is over: once this returns, its socket is never shut down."""
-        with self._cond:
+        with self._lock:
             self._watched.pop(deadline, None)
 
     def _run(self) -> None:
