@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -59,8 +60,8 @@ api = Blueprint("payments", __name__)
 def account_scope() -> str | None:
     """Keys belong to the ``X-Account`` of the request (demo only: trust your auth, not a header).
 
-    Without the header the extension's default applies: a digest of the
-    ``Authorization`` header, or the shared ``anonymous`` scope.
+    Without the header the extension's default applies: a keyed digest of the
+    ``Authorization`` header (keyed by ``SECRET_KEY``), or the shared ``anonymous`` scope.
     """
     account = request.headers.get("X-Account")
     if account is None:
@@ -98,6 +99,30 @@ def _normalise_database_url(url: str) -> str:
     return url
 
 
+def _instance_secret(instance_path: str) -> str:
+    """The demo's ``SECRET_KEY`` when none is configured: made once, kept in ``instance/``.
+
+    It keys the digest of an ``Authorization`` scope (C30), so it must be the same in
+    every worker and across restarts, or a retry would land in another scope.
+    """
+    os.makedirs(instance_path, exist_ok=True)
+    path = os.path.join(instance_path, "secret_key")
+    try:
+        with open(path, encoding="ascii") as kept:
+            return kept.read().strip()
+    except FileNotFoundError:
+        pass
+    secret = secrets.token_hex(32)
+    try:
+        with open(path, "x", encoding="ascii") as new:  # the first worker to get here wins
+            os.chmod(path, 0o600)
+            new.write(secret)
+    except FileExistsError:
+        with open(path, encoding="ascii") as kept:
+            return kept.read().strip()
+    return secret
+
+
 def _gateway_latency(value: Any) -> float:
     try:
         seconds = float(value)
@@ -132,6 +157,9 @@ def create_app(config: dict[str, Any] | None = None, *, instance_path: str | Non
     if app.config["SQLALCHEMY_DATABASE_URI"].startswith("sqlite"):
         # Threads of the dev server write to one file: wait for the lock, don't fail.
         app.config.setdefault("SQLALCHEMY_ENGINE_OPTIONS", {"connect_args": {"timeout": 30}})
+
+    if not app.config.get("SECRET_KEY"):
+        app.config["SECRET_KEY"] = _instance_secret(app.instance_path)
 
     db.init_app(app)
     idempotency.init_app(app)

@@ -23,6 +23,7 @@ from .problems import (
     KeyReused,
     MissingKey,
     RequestInProgress,
+    RequestTooLarge,
     StoreUnavailable,
 )
 
@@ -39,6 +40,7 @@ __all__ = [
     "KeyReused",
     "MissingKey",
     "RequestInProgress",
+    "RequestTooLarge",
     "StoreUnavailable",
     "current_key_digest",
     "idempotent",

@@ -4,18 +4,22 @@ Every command reports a database it cannot reach as one ``Error:`` line and
 exit status 1, and none of them creates the table unless told to with
 ``create-table``. Records are named as the request path names them: the digest
 of (scope, key), so the operator gives the raw key and the scope it was sent in.
+
+A record holds what a client sent (its path, the scope a loader read from the
+request, the response the view made of it), so nothing of it reaches the
+operator's terminal raw: control and format characters are escaped
+(:func:`printable`), and ``show --body`` writes the stored bytes as they are only
+when its output is not a terminal, or with ``--raw`` (issue 26).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import click
@@ -23,9 +27,17 @@ from flask import current_app
 from flask.cli import AppGroup
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from .fingerprint import ANONYMOUS_SCOPE, key_digest
+from .cli_render import iso, moment, printable, relative
+from .fingerprint import ANONYMOUS_SCOPE, authorization_scope, key_digest, with_host
 from .keys import InvalidKey, parse_key
-from .store.maintenance import Maintenance, MaintenanceError, RecordView, TableMissing
+from .store.identity import missing_help
+from .store.maintenance import (
+    IdentityReport,
+    Maintenance,
+    MaintenanceError,
+    RecordView,
+    TableMissing,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -36,6 +48,10 @@ _PROGRESS_EVERY_SECONDS = 5.0
 
 
 # -- plumbing --------------------------------------------------------------------------
+
+
+def _stdout_is_terminal() -> bool:
+    return sys.stdout.isatty()
 
 
 def _state() -> Any:
@@ -68,15 +84,17 @@ def database_errors(command: F) -> F:
             raise click.ClickException(_missing_table_help(str(exc))) from None
         except MaintenanceError as exc:
             cause = exc.__cause__
+            what = printable(str(exc), keep_lines=True)
             if isinstance(cause, (OperationalError, InterfaceError)):
-                raise click.ClickException(f"database unavailable: {exc}") from None
-            raise click.ClickException(f"database error: {exc}") from None
+                raise click.ClickException(f"database unavailable: {what}") from None
+            raise click.ClickException(f"database error: {what}") from None
 
     return run  # type: ignore[return-value]
 
 
 def _missing_table_help(what: str) -> str:
-    table = _state().store.table.name
+    what = printable(what)
+    table = printable(_state().store.table.name)
     if _uses_migrations():
         return (
             f"{what}. Idempotency(db=...) defines it on your app's metadata; create it"
@@ -89,36 +107,6 @@ def _missing_table_help(what: str) -> str:
         f"  flask idempotency create-table\n"
         f"or have your DBA run the statements of `flask idempotency create-table --sql`."
     )
-
-
-def _iso(ms: int | None) -> str:
-    if ms is None:
-        return "-"
-    moment = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _relative(ms: int | None, now_ms: int) -> str:
-    if ms is None:
-        return ""
-    delta = (ms - now_ms) / 1000
-    span = _span(abs(delta))
-    return f" (in {span})" if delta >= 0 else f" ({span} ago)"
-
-
-def _moment(ms: int | None, now_ms: int) -> str:
-    """ISO-8601 UTC, and how far from now: what an operator reading a record wants."""
-    return _iso(ms) + _relative(ms, now_ms)
-
-
-def _span(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{seconds // 60:.0f}m {seconds % 60:.0f}s"
-    if seconds < 86400:
-        return f"{seconds // 3600:.0f}h {seconds % 3600 // 60:.0f}m"
-    return f"{seconds // 86400:.0f}d {seconds % 86400 // 3600:.0f}h"
 
 
 # -- prune -----------------------------------------------------------------------------
@@ -231,15 +219,15 @@ def stats_command(as_json: bool) -> None:
         return
     now = stats.now_ms
     lines = [
-        f"Table {maintenance.table.name} at {_iso(now)} (database clock)",
+        f"Table {printable(maintenance.table.name)} at {iso(now)} (database clock)",
         f"  records                 {stats.total}",
         f"  completed               {stats.completed}",
         f"  in progress             {stats.in_progress}",
         f"    with a lapsed lease   {stats.stale_leases}",
         f"  expired, awaiting prune {stats.prunable}",
-        "  oldest in progress      created " + _moment(stats.oldest_in_progress_created_ms, now),
-        "  earliest lease expiry   " + _moment(stats.oldest_in_progress_lease_ms, now),
-        "  earliest record expiry  " + _moment(stats.oldest_expiry_ms, now),
+        "  oldest in progress      created " + moment(stats.oldest_in_progress_created_ms, now),
+        "  earliest lease expiry   " + moment(stats.oldest_in_progress_lease_ms, now),
+        "  earliest record expiry  " + moment(stats.oldest_expiry_ms, now),
     ]
     click.echo("\n".join(lines))
 
@@ -259,7 +247,14 @@ def _record_options(command: F) -> F:
         click.option(
             "--authorization",
             default=None,
-            help="Without a scope_loader: the request's Authorization header value.",
+            help="Without a scope_loader: the request's Authorization header value; '-'"
+            " asks for it (hidden) or reads it from stdin, out of the shell's history.",
+        ),
+        click.option(
+            "--host",
+            default=None,
+            help="Without a scope_loader, on a route with a subdomain or a host: the"
+            " request's host (the default scope carries it).",
         ),
         click.option(
             "--digest",
@@ -279,6 +274,7 @@ def _resolve_digest(
     scope: str | None,
     authorization: str | None,
     by_digest: bool,
+    host: str | None = None,
 ) -> str:
     """The digest the request path would give this (scope, key) (C5, C22)."""
     given = [
@@ -288,6 +284,11 @@ def _resolve_digest(
     ] + (["--digest"] if by_digest else [])
     if len(given) > 1:
         raise click.UsageError("Give at most one of --scope, --authorization and --digest.")
+    if host is not None and (scope is not None or by_digest):
+        raise click.UsageError(
+            "--host names a default scope (no scope_loader): it goes with --authorization"
+            " or alone, not with --scope or --digest."
+        )
     if by_digest:
         prefix = key.strip().lower()
         if len(prefix) < 8 or any(c not in "0123456789abcdef" for c in prefix):
@@ -310,30 +311,51 @@ def _resolve_digest(
     if scope is not None:
         full_scope = "scope:" + scope
     elif authorization is not None:
-        full_scope = "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
+        if authorization == "-":
+            authorization = _read_authorization()
+        try:
+            full_scope = authorization_scope(authorization, current_app)
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
     else:
         full_scope = ANONYMOUS_SCOPE
+    if host is not None:
+        full_scope = with_host(full_scope, host)
     return key_digest(full_scope, parsed)
 
 
+def _read_authorization() -> str:
+    """The header value for ``--authorization -``: asked for, unechoed, on a terminal;
+    else the first line of stdin. Either way it never lands in the shell's history."""
+    if sys.stdin.isatty():
+        value: str = click.prompt("Authorization header", hide_input=True, err=True)
+    else:
+        value = sys.stdin.readline().rstrip("\r\n")
+    if not value:
+        raise click.BadParameter("no header value was given.", param_hint="--authorization")
+    return value
+
+
 def _describe_record(record: RecordView) -> list[str]:
+    """The record as lines for a terminal: every value that came from a request (the
+    scope, method and path, the header names of the view's answer) is escaped."""
     now = record.now_ms
     lines = [
-        f"digest         {record.key_digest}",
-        f"scope          {record.scope}",
-        f"state          {record.state}",
-        f"request        {record.method} {record.path}",
-        f"created        {_iso(record.created_at_ms)}{_relative(record.created_at_ms, now)}",
-        f"expires        {_iso(record.expires_at_ms)}{_relative(record.expires_at_ms, now)}",
+        f"digest         {printable(record.key_digest)}",
+        f"scope          {printable(record.scope)}",
+        f"state          {printable(record.state)}",
+        f"request        {printable(record.method)} {printable(record.path)}",
+        f"created        {iso(record.created_at_ms)}{relative(record.created_at_ms, now)}",
+        f"expires        {iso(record.expires_at_ms)}{relative(record.expires_at_ms, now)}",
     ]
     if record.lease_expires_at_ms is not None:
         lines.append(
-            f"lease until    {_iso(record.lease_expires_at_ms)}"
-            f"{_relative(record.lease_expires_at_ms, now)}"
+            f"lease until    {iso(record.lease_expires_at_ms)}"
+            f"{relative(record.lease_expires_at_ms, now)}"
         )
     if record.completed_at_ms is not None:
         lines.append(
-            f"completed      {_iso(record.completed_at_ms)}{_relative(record.completed_at_ms, now)}"
+            f"completed      {iso(record.completed_at_ms)}{relative(record.completed_at_ms, now)}"
         )
     if record.response_status is not None:
         size = record.body_size or 0
@@ -343,33 +365,52 @@ def _describe_record(record: RecordView) -> list[str]:
         lines.append(f"status         {record.response_status}")
         lines.append(f"body           {size} bytes{omitted}")
         if record.response_headers:
-            headers = ", ".join(name for name, _ in json.loads(record.response_headers))
-            lines.append(f"headers        {headers}")
+            names = (printable(str(name)) for name, _ in json.loads(record.response_headers))
+            lines.append(f"headers        {', '.join(names)}")
     return lines
 
 
 @idempotency_cli.command("show")
 @_record_options
 @click.option("--body", "with_body", is_flag=True, help="Also print the stored response body.")
+@click.option(
+    "--raw",
+    is_flag=True,
+    help="With --body: write the body's bytes as they are even to a terminal (piped"
+    " output always gets them as they are).",
+)
 @database_errors
 def show_command(
-    key: str, scope: str | None, authorization: str | None, by_digest: bool, with_body: bool
+    key: str,
+    scope: str | None,
+    authorization: str | None,
+    host: str | None,
+    by_digest: bool,
+    with_body: bool,
+    raw: bool,
 ) -> None:
     """Show the record of an Idempotency-Key: state, times (UTC), status, body size.
 
     With neither --scope nor --authorization the key is looked up in the shared
-    "anonymous" scope, where requests without credentials land.
+    "anonymous" scope, where requests without credentials land. To a terminal,
+    --body shows the body with control characters escaped (as \\x1b, \\u202e);
+    piped, or with --raw, it writes the stored bytes.
     """
+    if raw and not with_body:
+        raise click.UsageError("--raw goes with --body.")
     maintenance = _maintenance()
     maintenance.require_table()
-    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest)
+    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest, host)
     record = maintenance.lookup(digest, with_body=with_body)
     if record is None:
-        raise click.ClickException(f"no record for that key in this scope (digest {digest[:16]}).")
+        raise _no_record(digest, scope, authorization, by_digest)
     click.echo("\n".join(_describe_record(record)))
     if with_body and record.body is not None:
         click.echo("")
-        click.echo(record.body)
+        if raw or not _stdout_is_terminal():
+            click.echo(record.body)
+        else:
+            click.echo(printable(record.body.decode("utf-8", "surrogateescape"), keep_lines=True))
 
 
 @idempotency_cli.command("forget")
@@ -377,7 +418,12 @@ def show_command(
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @database_errors
 def forget_command(
-    key: str, scope: str | None, authorization: str | None, by_digest: bool, yes: bool
+    key: str,
+    scope: str | None,
+    authorization: str | None,
+    host: str | None,
+    by_digest: bool,
+    yes: bool,
 ) -> None:
     """Delete the record of an Idempotency-Key, whatever its state.
 
@@ -386,10 +432,10 @@ def forget_command(
     """
     maintenance = _maintenance()
     maintenance.require_table()
-    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest)
+    digest = _resolve_digest(maintenance, key, scope, authorization, by_digest, host)
     record = maintenance.lookup(digest)
     if record is None:
-        raise click.ClickException(f"no record for that key in this scope (digest {digest[:16]}).")
+        raise _no_record(digest, scope, authorization, by_digest)
     click.echo("\n".join(_describe_record(record)))
     lease_live = (
         record.state == "in_progress"
@@ -424,24 +470,64 @@ def check_command() -> None:
     if not report.exists:
         raise TableMissing(f"the table {report.table!r} does not exist")
     for warning in report.warnings:
-        click.echo(f"warning: {warning}", err=True)
+        click.echo(f"warning: {printable(warning)}", err=True)
     if report.errors:
         for error in report.errors:
-            click.echo(f"  - {error}", err=True)
+            click.echo(f"  - {printable(error)}", err=True)
         raise click.ClickException(
             f"the table {report.table!r} does not match what Flask-Idempotency expects"
             f" ({len(report.errors)} problem{'s' if len(report.errors) != 1 else ''} above)."
             " Migrate it to the definition in flask_idempotency/store/table.py."
         )
     click.echo(f"OK: the table {report.table!r} matches what Flask-Idempotency expects.")
+    _check_identity(maintenance.check_identity())
     _check_redis_tier()
+
+
+def _check_identity(report: IdentityReport) -> None:
+    """The store's identity (``<table>_store``), which names its records in Redis (C41):
+    missing is an error with a Redis tier (it stays off until the table is there), a
+    warning without one."""
+    from .state import redis_target
+
+    state = _state()
+    table = printable(report.table)
+    if not report.exists:
+        help_text = printable(
+            missing_help(state.store.table.name, migrations=_uses_migrations()), keep_lines=True
+        )
+        if redis_target(state.settings, state.extension._redis) is None:
+            click.echo(f"warning: {help_text} (needed once IDEMPOTENCY_REDIS_URL is set)", err=True)
+            return
+        raise click.ClickException(help_text)
+    for warning in report.warnings:
+        click.echo(f"warning: {printable(warning)}", err=True)
+    if report.errors:
+        for error in report.errors:
+            click.echo(f"  - {printable(error)}", err=True)
+        raise click.ClickException(
+            f"the table {table!r} does not match what Flask-Idempotency expects"
+            " (problems above). Migrate it to the definition in"
+            " flask_idempotency/store/identity.py."
+        )
+    if report.identity is None:
+        click.echo(
+            f"OK: the table {table!r} is there; the store's identity is written by the"
+            " first process that uses Redis."
+        )
+        return
+    click.echo(
+        f"OK: the table {table!r} holds the store's identity {printable(report.identity.id)}"
+        f" (written {iso(report.identity.created_at_ms)})."
+    )
 
 
 @idempotency_cli.command("create-table")
 @click.option("--sql", "sql_only", is_flag=True, help="Print the DDL instead of running it.")
 @database_errors
 def create_table_command(sql_only: bool) -> None:
-    """Create the records table, for apps that do not manage it with migrations."""
+    """Create the records table and its identity, for apps that do not manage them with
+    migrations."""
     maintenance = _maintenance()
     if sql_only:
         click.echo(maintenance.create_ddl())
@@ -454,11 +540,21 @@ def create_table_command(sql_only: bool) -> None:
             "or, without Flask-Migrate, db.create_all() in an app context;"
             " `flask idempotency create-table --sql` prints the DDL."
         )
-    if maintenance.table_exists():
+    missing = [
+        table.name
+        for table, exists in (
+            (maintenance.table, maintenance.table_exists()),
+            (maintenance.identity_table, maintenance.identity_table_exists()),
+        )
+        if not exists
+    ]
+    if not missing:
         click.echo(f"The table {maintenance.table.name!r} already exists; nothing to do.")
         return
     maintenance.create_table()
-    click.echo(f"Created the table {maintenance.table.name!r}.")
+    for name in missing:
+        what = " (the store's identity, C41)" if name == maintenance.identity_table.name else ""
+        click.echo(f"Created the table {name!r}{what}.")
 
 
 #: How long ``check`` gives the wake-up listener to confirm its subscription.
@@ -475,6 +571,7 @@ def _check_redis_tier() -> None:
 
     state = _state()
     target = redis_target(state.settings, state.extension._redis)
+    target = None if target is None else printable(target)
     if target is None:
         click.echo(
             "Redis tier: none (IDEMPOTENCY_REDIS_URL is not set): no cache; wake-ups reach"
@@ -500,3 +597,28 @@ def _check_redis_tier() -> None:
             " (is pub/sub allowed on this Redis?)."
         )
     click.echo(f"  wake-up listener: live (subscribed to {listener.channel!r})")
+    from .tier import store_origin
+
+    store = state.store
+    origin = store_origin(store.identity().id, store.table.fullname)
+    click.echo(f"  origin: {origin} (names this store's records: its identity and table)")
+
+
+def _no_record(
+    digest: str, scope: str | None, authorization: str | None, by_digest: bool
+) -> click.ClickException:
+    """ "No record", naming the scope searched and how to search another (C56)."""
+    if by_digest:
+        return click.ClickException(f"no record has the digest {digest[:16]}… (any longer).")
+    if scope is not None:
+        where = f"in scope {scope!r} (as the scope_loader returned it)"
+    elif authorization is not None:
+        where = "in the scope of that Authorization header"
+    else:
+        where = "in the shared 'anonymous' scope, where requests without credentials land"
+    return click.ClickException(
+        f"no record for that key {where} (digest {digest[:16]}). A key belongs to the scope"
+        " its request had: give --scope VALUE (what the app's scope_loader returned for"
+        " the request), or --authorization VALUE (no scope_loader: the request's"
+        " Authorization header), or --digest PREFIX (from a log line)."
+    )

@@ -37,6 +37,8 @@ NEVER_REPLAYED = frozenset(
 #: Statuses a view may answer that say "try again later": the claim is released,
 #: never stored (C16).
 TRANSIENT_STATUSES = frozenset({408, 409, 423, 425, 429})
+#: Statuses that answer who is asking, not what was done: released, never stored (C16).
+CALLER_STATUSES = frozenset({401, 403})
 
 #: Isolation levels a transactional route may ask for, as SQL spells them (C43).
 ISOLATION_LEVELS = frozenset({"READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"})
@@ -46,6 +48,10 @@ ISOLATION_LEVELS = frozenset({"READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE
 class Settings:
     """Configuration of one app, resolved and validated in ``init_app``."""
 
+    #: The layer on or off. ``False`` (tests, local development): views marked
+    #: ``@idempotent`` run plainly on every request, ``once()`` runs its work every time,
+    #: and requests touch neither the store nor Redis (C56).
+    enabled: bool = True
     #: The durable store, source of truth for claims and results. Default: the
     #: ``db=`` or ``engine=`` database, else a SQLite file in the app's instance folder.
     database_uri: str | None = None
@@ -76,6 +82,11 @@ class Settings:
     store_server_errors: bool = False
     #: Largest response body stored whole; larger ones are stored without their body (C33).
     max_body_bytes: int = 1_048_576
+    #: Largest request body a protected request may send, in bytes: the layer reads and
+    #: fingerprints the body before the view (and any authentication decorator on it)
+    #: runs, so past this it answers 413 ``request-too-large`` without reading it. ``0``
+    #: leaves only Flask's ``MAX_CONTENT_LENGTH``.
+    max_request_bytes: int = 10_485_760
     #: Response headers stored and replayed. ``Set-Cookie``, ``Date``, ``Retry-After``,
     #: ``Content-Length``, ``WWW-Authenticate`` and hop-by-hop headers are refused.
     replay_headers: frozenset[str] = frozenset(
@@ -90,9 +101,17 @@ class Settings:
     table: str = "idempotency_keys"
     #: Prefix of the problem ``type`` URIs (C27).
     problem_type_base: str = DEFAULT_PROBLEM_TYPE_BASE
+    #: Built-in metrics of every decision (C57): ``prometheus`` (the ``prometheus`` extra;
+    #: the default registry), ``opentelemetry`` (the ``opentelemetry`` extra; the global
+    #: meter provider), both (a list or one comma-separated string), or none.
+    metrics: frozenset[str] = frozenset()
+    #: An OpenTelemetry span per protected request (C57; the ``opentelemetry`` extra;
+    #: the global tracer provider).
+    tracing: bool = False
     #: Transactional mode for every protected route; needs ``db=`` (C40).
     atomic: bool = False
-    #: Requests one process parks at once; beyond it duplicates get 409 at once (R86).
+    #: Requests one process parks at once (C10); beyond it a duplicate gets 409 at once
+    #: instead of waiting. Keep it below the worker's thread count (see the deployment page).
     max_waiters: int = 256
     #: Create the table on first use. ``None``: only for the embedded SQLite default.
     create_table: bool | None = None
@@ -108,6 +127,11 @@ class Settings:
     heartbeat: bool = True
     #: Seconds after its claim that an owner stops renewing, so a hung view lets go (C44).
     max_runtime: float = 900.0
+    #: Key of the default scope's digest of the ``Authorization`` header: an HMAC, so the
+    #: stored scope gives nothing to a wordlist (C30). ``None``: the app's ``SECRET_KEY``.
+    #: Without either, a request scoped by its ``Authorization`` header is an error. Set it
+    #: to keep scopes when ``SECRET_KEY`` rotates; changing it changes those scopes.
+    scope_secret: str | bytes | None = dataclasses.field(default=None, repr=False)
 
     @functools.cached_property
     def header_environ_key(self) -> str:
@@ -129,6 +153,11 @@ class Settings:
         return settings._validated()
 
     def _validated(self) -> Settings:
+        enabled = _flag(self.enabled, "IDEMPOTENCY_ENABLED")
+        if self.redis_url:
+            _redis_url(self.redis_url)
+        if self.database_uri is not None:
+            _database_uri(self.database_uri)
         methods = _upper_set(self.methods, "IDEMPOTENCY_METHODS")
         if self.replay_headers is None:
             raise ValueError("IDEMPOTENCY_REPLAY_HEADERS must be a list of header names.")
@@ -146,13 +175,16 @@ class Settings:
         lease = _seconds(self.lease, "IDEMPOTENCY_LEASE")
         wait = _seconds(self.wait, "IDEMPOTENCY_WAIT", allow_zero=True)
         if lease >= ttl:
-            raise ValueError("IDEMPOTENCY_LEASE must be shorter than IDEMPOTENCY_TTL.")
+            raise ValueError(_lease_not_shorter(lease, ttl, "IDEMPOTENCY_LEASE", "IDEMPOTENCY_TTL"))
         key_max_length = _integer(self.key_max_length, "IDEMPOTENCY_KEY_MAX_LENGTH")
         if not 1 <= key_max_length <= 4096:
             raise ValueError("IDEMPOTENCY_KEY_MAX_LENGTH must be between 1 and 4096.")
         max_body_bytes = _integer(self.max_body_bytes, "IDEMPOTENCY_MAX_BODY_BYTES")
         if max_body_bytes < 0:
             raise ValueError("IDEMPOTENCY_MAX_BODY_BYTES must not be negative.")
+        max_request_bytes = _integer(self.max_request_bytes, "IDEMPOTENCY_MAX_REQUEST_BYTES")
+        if max_request_bytes < 0:
+            raise ValueError("IDEMPOTENCY_MAX_REQUEST_BYTES must not be negative.")
         max_waiters = _integer(self.max_waiters, "IDEMPOTENCY_MAX_WAITERS")
         if max_waiters < 0:
             raise ValueError("IDEMPOTENCY_MAX_WAITERS must not be negative.")
@@ -165,8 +197,17 @@ class Settings:
         base = self.problem_type_base
         if not isinstance(base, str) or not base:
             raise ValueError("IDEMPOTENCY_PROBLEM_TYPE_BASE must be a URI.")
+        secret = self.scope_secret
+        if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
+            what = "empty" if isinstance(secret, (str, bytes)) else f"a {type(secret).__name__}"
+            raise ValueError(  # the value may be a secret: never in the message
+                f"IDEMPOTENCY_SCOPE_SECRET must be a non-empty string or bytes; it is {what}."
+            )
         return dataclasses.replace(
             self,
+            enabled=enabled,
+            metrics=_metrics(self.metrics),
+            tracing=_flag(self.tracing, "IDEMPOTENCY_TRACING"),
             methods=methods,
             replay_headers=replay_headers,
             required=_flag(self.required, "IDEMPOTENCY_REQUIRED"),
@@ -185,6 +226,7 @@ class Settings:
             wait=wait,
             key_max_length=key_max_length,
             max_body_bytes=max_body_bytes,
+            max_request_bytes=max_request_bytes,
             max_waiters=max_waiters,
             redis_socket_timeout=_seconds(
                 self.redis_socket_timeout, "IDEMPOTENCY_REDIS_SOCKET_TIMEOUT"
@@ -294,7 +336,14 @@ class EffectiveOptions:
             retries=route.retries or 0,
         )
         if options.lease >= options.ttl:
-            raise ValueError("The lease of an idempotent route must be shorter than its ttl.")
+            raise ValueError(
+                _lease_not_shorter(
+                    options.lease,
+                    options.ttl,
+                    "IDEMPOTENCY_LEASE" if route.lease is None else "@idempotent(lease=...)",
+                    "IDEMPOTENCY_TTL" if route.ttl is None else "@idempotent(ttl=...)",
+                )
+            )
         if (route.isolation is not None or route.retries is not None) and not options.atomic:
             raise ValueError(
                 "isolation= and retries= apply to transactional mode: add atomic=True"
@@ -333,6 +382,106 @@ def _upper_set(value: Any, name: str) -> frozenset[str]:
             " or replayed; a key sent with them is ignored."
         )
     return frozenset(methods)
+
+
+#: URL schemes ``IDEMPOTENCY_REDIS_URL`` may have (docs/redis.md).
+REDIS_SCHEMES = (
+    "redis",
+    "rediss",
+    "unix",
+    "redis+sentinel",
+    "rediss+sentinel",
+    "redis+cluster",
+    "rediss+cluster",
+)
+
+
+def _redis_url(url: Any) -> None:
+    """Refuse a Redis URL without a scheme Redis understands, naming the setting.
+
+    ``localhost:6379`` would otherwise fail deep in redis-py ("Redis URL must
+    specify one of the following schemes") without saying which setting is wrong.
+    The value is not repeated when it may hold a password.
+    """
+    if not isinstance(url, str):
+        raise ValueError(f"IDEMPOTENCY_REDIS_URL must be a URL string, not a {type(url).__name__}.")
+    scheme = url.split("://", 1)[0].lower() if "://" in url else None
+    if scheme in REDIS_SCHEMES:
+        return
+    shown = repr(url) if "@" not in url else "the value given (not shown: it may hold a password)"
+    schemes = ", ".join(name + "://" for name in REDIS_SCHEMES)
+    raise ValueError(
+        f"IDEMPOTENCY_REDIS_URL must start with one of {schemes} (e.g."
+        f" redis://localhost:6379/0); {shown} "
+        + (f"has the scheme {scheme!r}." if scheme else "has none.")
+    )
+
+
+def _database_uri(uri: Any) -> None:
+    """Refuse what SQLAlchemy cannot read as a URL now, not at the first request's 503.
+
+    The value is never repeated: it may hold a password.
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(uri)
+    except (ArgumentError, ValueError, TypeError) as exc:
+        raise ValueError(
+            f"IDEMPOTENCY_DATABASE_URI is not a database URL ({exc}). Write"
+            " dialect+driver://user:password@host:port/database, e.g."
+            " postgresql+psycopg2://app@db.internal:5432/app, or leave it unset for the"
+            " db= / engine= database or the SQLite file in the instance folder."
+        ) from None
+
+
+def _lease_not_shorter(lease: float, ttl: float, lease_from: str, ttl_from: str) -> str:
+    """ "The lease must be shorter than the ttl", naming where each value came from."""
+
+    def origin(name: str, value: float) -> str:
+        if name.startswith("IDEMPOTENCY_"):
+            default = getattr(Settings, name.removeprefix("IDEMPOTENCY_").lower())
+            if value == default:
+                return f"{name} = {value:g} s (its default)"
+        return f"{name} = {value:g} s"
+
+    return (
+        f"The lease must be shorter than the ttl, but {origin(lease_from, lease)} and"
+        f" {origin(ttl_from, ttl)}. Set {lease_from} below {ttl:g} (or {ttl_from} above"
+        f" {lease:g}). The lease is how long a claim is held before a retry may take it"
+        " over; the ttl how long a key lives."
+    )
+
+
+#: What ``IDEMPOTENCY_METRICS`` may name, and the spellings it understands (C57).
+METRICS_BACKENDS = {
+    "prometheus": "prometheus",
+    "opentelemetry": "opentelemetry",
+    "otel": "opentelemetry",
+}
+
+
+def _metrics(value: Any) -> frozenset[str]:
+    """``"prometheus"``, ``"opentelemetry"``, both, or none (``None``, ``False``, empty)."""
+    if value is None or value is False:
+        return frozenset()
+    if isinstance(value, bool) or not isinstance(value, (str, list, tuple, set, frozenset)):
+        raise ValueError(
+            "IDEMPOTENCY_METRICS names the library: 'prometheus', 'opentelemetry' or both"
+            f" (a list or a comma-separated string), not {value!r}."
+        )
+    if isinstance(value, str) and value.strip().lower() in _FALSE:
+        return frozenset()
+    names = set()
+    for name in _as_iterable(value):
+        backend = METRICS_BACKENDS.get(str(name).strip().lower())
+        if backend is None:
+            raise ValueError(
+                f"IDEMPOTENCY_METRICS: {name!r} is not one of prometheus, opentelemetry."
+            )
+        names.add(backend)
+    return frozenset(names)
 
 
 def _isolation(value: Any, name: str) -> str:

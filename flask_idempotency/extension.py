@@ -16,11 +16,11 @@ from .completion.unit import guard_sessions
 from .config import ConfigVars, EffectiveOptions, Settings
 from .jobs import Once
 from .notify import WakeupHub
-from .state import AppState, describe_url, redis_target
+from .state import EXTENSION_NAME, AppState, describe_url, redis_target
 from .store import DurableStore
 from .store.connect import lazy_engine
+from .store.drivers import check_driver
 
-EXTENSION_NAME = "idempotency"
 log = logging.getLogger("flask_idempotency")
 
 
@@ -64,11 +64,16 @@ class Idempotency:
         wakeups = WakeupHub(max_waiters=settings.max_waiters)
         cache = self._build_cache(settings, store, wakeups)
         app.extensions[EXTENSION_NAME] = AppState(self, settings, store, cache, wakeups)
-        lifecycle.install(app)
         app.add_template_global(forms.idempotency_key_field, "idempotency_key_field")  # C49
-        got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
-        if self._db is not None:
-            guard_sessions(self._db)
+        if settings.enabled:  # else marked views run plainly: no hook, no store, no Redis (C56)
+            lifecycle.install(app)
+            got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
+            if self._db is not None:
+                guard_sessions(self._db)
+            if settings.metrics or settings.tracing:
+                from . import telemetry
+
+                telemetry.install(app, settings)
         from .cli import idempotency_cli
 
         app.cli.add_command(idempotency_cli)
@@ -149,7 +154,13 @@ class Idempotency:
                 f"cache: Redis {cache}, prefix {settings.redis_prefix!r};"
                 " wake-ups: Redis pub/sub across processes"
             )
-        return f"store: {store}, table {settings.table!r}; {tiers}"
+        described = f"store: {store}, table {settings.table!r}; {tiers}"
+        if not settings.enabled:
+            described += (
+                "; DISABLED (IDEMPOTENCY_ENABLED = False): marked views run unprotected, and"
+                " neither the store nor Redis is used by requests"
+            )
+        return described
 
     # -- building the tiers ---------------------------------------------------------
 
@@ -173,6 +184,7 @@ class Idempotency:
                 uri = "sqlite:///" + os.path.join(app.instance_path, "idempotency.sqlite3")
                 if create_table is None:
                     create_table = True  # the embedded default sets itself up
+            check_driver(uri)  # a missing driver fails here, not at the first request (C51)
             factory = lazy_engine(uri)
         return DurableStore(
             factory,
@@ -190,10 +202,18 @@ class Idempotency:
         from .tier import RedisTier, store_origin
 
         def origin() -> str:
-            # Resolved on first use: with db= or engine= the engine may not exist yet.
-            return store_origin(store.engine_without_setup().url, store.table.fullname)
+            # Resolved on first use of the tier, once per process: the id the store's
+            # database keeps, never the URL's text (C41). Until it can be read the tier
+            # stays off (store/identity.py), and requests use the database alone.
+            return store_origin(store.identity().id, store.table.fullname)
 
-        tier = RedisTier.from_settings(settings, client=self._redis, origin=origin)
+        try:
+            tier = RedisTier.from_settings(settings, client=self._redis, origin=origin)
+        except ValueError as exc:  # redis-py's words alone would not say which setting
+            if self._redis is not None:
+                raise
+            where = describe_url(settings.redis_url)
+            raise ValueError(f"IDEMPOTENCY_REDIS_URL = {where!r}: {exc}") from exc
         wakeups.channel = tier.notifier
         return tier.cache
 

@@ -1,29 +1,49 @@
 """What makes two requests "the same request" (CONTRACT C5–C7, C31).
 
-The fingerprint is SHA-256 over the method, the URL rule with its values, the
-sorted query string and a canonical body: JSON with sorted keys and no
-insignificant whitespace, forms as sorted fields, anything else as raw bytes.
-Each part is length-prefixed so that no two different requests can run together
-into the same byte string.
+The fingerprint is SHA-256 over the method, the endpoint and its URL rule (the
+path with its values, and the rule's subdomain or host), the media type of the
+body, the query string and a canonical body: JSON with sorted keys and no
+insignificant whitespace, forms as fields, anything else as raw bytes. Query
+items and form fields are sorted by name only, stably: the order of names does
+not matter, the order of a repeated name's values does, as it does to
+``request.args["a"]``. Each part is length-prefixed so that no two different
+requests can run together into the same byte string.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import json
+import operator
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from flask import Flask, Request, current_app
 from werkzeug.local import LocalProxy
 from werkzeug.wsgi import LimitedStream
 
+if TYPE_CHECKING:
+    from _hashlib import HASH
+
 #: Bumped whenever the canonical form changes, so old records never match by accident.
-FINGERPRINT_VERSION = b"fp1"
+#: ``fp2`` (issue 26): a repeated query name, form field or upload keeps its values'
+#: order; the endpoint, the rule's subdomain and host, and the media type are parts.
+FINGERPRINT_VERSION = b"fp2"
 ANONYMOUS_SCOPE = "anonymous"
+#: The default scope of a request with an ``Authorization`` header: this, then the
+#: header's HMAC-SHA256 under the scope key, as hex (C30, C46). (Records written before
+#: issue 26 hold ``auth:`` and the header's unkeyed SHA-256.)
+AUTHORIZATION_SCOPE_PREFIX = "auth-hmac:"
+#: What the scope key is derived from a secret for: the secret itself is never the key,
+#: so the scope digests are no HMAC that any other use of ``SECRET_KEY`` computes.
+_SCOPE_KEY_PURPOSE = b"flask-idempotency scope key v1"
+#: The scope key's HMAC states per secret (the few an app process has), made once.
+_SCOPE_KEYS: dict[str | bytes, tuple[HASH, HASH]] = {}
+_SCOPE_KEYS_MAX = 16
 _CHUNK = 64 * 1024
 #: Raw bodies up to this size are hashed in memory; larger ones spill to disk.
 _SPOOL_IN_MEMORY = 1024 * 1024
@@ -43,6 +63,11 @@ _JSON_STRING: Callable[[str], str] = json.encoder.encode_basestring
 #: A decoder as ``json.loads`` uses when given no options, and its scanner: one value
 #: from a position, as ``(value, end)``.
 _JSON_DECODER = json.JSONDecoder()
+#: Sort key of a query item or form field: its name only. ``sorted`` is stable, so the
+#: values of a repeated name keep their order (``a=1&a=2`` is not ``a=2&a=1``, C6).
+_NAME = operator.itemgetter(0)
+#: The same for a form's fields and uploads, each ``[kind, name, ...]``: fields, then files.
+_KIND_AND_NAME = operator.itemgetter(0, 1)
 _scan_json: Callable[[str, int], tuple[Any, int]] = _JSON_DECODER.scan_once  # type: ignore[attr-defined]
 
 
@@ -57,18 +82,22 @@ _FINGERPRINT_HEAD = _frame(FINGERPRINT_VERSION)
 _NO_ARGS = _frame(b"{}") + _frame(b"[]")
 #: The body part is always a SHA-256 digest: its frame's length prefix is a constant.
 _BODY_DIGEST_LENGTH = (32).to_bytes(8, "big")
-#: Framed version, method and rule per (method, rule) of the app's routes; a route's
-#: fingerprint then costs one look-up for them. Bounded: only matched rules go in.
-_HEADS: dict[tuple[str, str], bytes] = {}
+#: Framed version, method, endpoint, rule path, subdomain and host per route (the
+#: tuple of those); a route's fingerprint then costs one look-up for them. Bounded:
+#: only matched rules go in.
+_HEADS: dict[tuple[str, str, str, str | None, str | None], bytes] = {}
 _HEADS_MAX = 4096
-#: ``Request.mimetype`` per ``Content-Type`` value (a pure function of it), bounded.
-_MIMETYPES: dict[str, str] = {}
+#: ``Request.mimetype`` and its framed bytes per ``Content-Type`` value (a pure
+#: function of it), bounded.
+_MIMETYPES: dict[str, tuple[str, bytes]] = {}
 _MIMETYPES_MAX = 256
 
 
 def key_digest(scope: str, key: str) -> str:
     """The name of a record everywhere outside the request: database, Redis, logs (C22, C30)."""
-    scope_bytes = scope.encode("utf-8")
+    # surrogatepass: a scope with lone surrogates (bytes a loader decoded with
+    # surrogateescape) still names exactly one record (issue 22.6).
+    scope_bytes = scope.encode("utf-8", "surrogatepass")
     key_bytes = key.encode("utf-8")
     return hashlib.sha256(
         b"".join(
@@ -86,23 +115,95 @@ def key_digest(scope: str, key: str) -> str:
 def default_scope(request: Request, app: Flask | None = None) -> str:
     """Scope when no ``scope_loader`` is registered (C46).
 
-    The Flask-Login user when one is logged in; else a digest of
-    ``Authorization``, which changes when a client refreshes its token, so a retry
-    after a refresh is a new request; else the shared scope ``anonymous``, where
+    The Flask-Login user when one is logged in; else a keyed digest of
+    ``Authorization`` (:func:`authorization_scope`), which changes when a client
+    refreshes its token, so a retry after a refresh is a new request; else the
+    shared scope ``anonymous``, where
     any client that guesses another's key could read its response. Register a
     ``scope_loader`` that names the tenant or user to avoid both.
 
+    On a route with a subdomain or a host (tenants served by host), the default
+    scope also carries the request's host (:func:`with_host`): user 5 of
+    ``acme.example.com`` and user 5 of ``globex.example.com`` are two owners.
+
     ``app``: the request's app, when the caller has it (saves a context look-up).
     """
+    request = _unproxied(request)
     user_id = _login_user_id(app)
     if user_id is not None:
-        return "user:" + user_id
-    # The environ entry ``headers.get("Authorization")`` reads, without building the
-    # request's header view for it.
-    authorization = _unproxied(request).environ.get("HTTP_AUTHORIZATION")
-    if not authorization:
-        return ANONYMOUS_SCOPE
-    return "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
+        scope = "user:" + user_id
+    else:
+        # The environ entry ``headers.get("Authorization")`` reads, without building
+        # the request's header view for it.
+        authorization = request.environ.get("HTTP_AUTHORIZATION")
+        if not authorization:
+            scope = ANONYMOUS_SCOPE
+        else:
+            scope = authorization_scope(authorization, current_app if app is None else app)
+    rule = request.url_rule
+    if rule is not None and (rule.subdomain or rule.host):
+        return with_host(scope, request.host)
+    return scope
+
+
+def authorization_scope(authorization: str, app: Flask) -> str:
+    """The default scope of a request with this ``Authorization`` header (C30, C46).
+
+    An HMAC-SHA256 of the header under a key derived from ``IDEMPOTENCY_SCOPE_SECRET``,
+    else the app's ``SECRET_KEY``: the scope is stored, printed by ``flask idempotency
+    show`` and sent with every signal, and an unkeyed digest of a Basic-auth header
+    or a short token gives its secret to a wordlist. Raises ``RuntimeError`` when
+    neither secret is set: no request is scoped by a guessable digest.
+
+    The HMAC (RFC 2104) is computed from the key's inner and outer SHA-256 states,
+    made once per secret: a third of ``hmac.digest``'s cost, the same bytes.
+    """
+    inner_state, outer_state = _scope_hmac(app)
+    inner = inner_state.copy()
+    inner.update(authorization.encode("latin-1"))
+    outer = outer_state.copy()
+    outer.update(inner.digest())
+    return AUTHORIZATION_SCOPE_PREFIX + outer.hexdigest()
+
+
+def _scope_hmac(app: Flask) -> tuple[HASH, HASH]:
+    """The scope key's HMAC-SHA256 inner and outer states, from the app's secret."""
+    state = app.extensions.get("idempotency")
+    if state is not None:
+        secret = state.settings.scope_secret
+    else:  # a bare app (tests of the fingerprint alone): the same settings, unchecked
+        secret = app.config.get("IDEMPOTENCY_SCOPE_SECRET")
+    if secret is None:
+        secret = app.config.get("SECRET_KEY")
+    if not secret or not isinstance(secret, (str, bytes)):
+        raise RuntimeError(
+            "Flask-Idempotency: this request is scoped by its Authorization header (no"
+            " scope_loader, no logged-in Flask-Login user), and that scope is an HMAC of"
+            " the header: set IDEMPOTENCY_SCOPE_SECRET or the app's SECRET_KEY, or"
+            " register @idempotency.scope_loader returning the tenant or user id."
+        )
+    states = _SCOPE_KEYS.get(secret)
+    if states is None:
+        raw = secret.encode("utf-8") if isinstance(secret, str) else secret
+        # 32 bytes: shorter than SHA-256's 64-byte block, so padded, never hashed first.
+        key = hmac.digest(raw, _SCOPE_KEY_PURPOSE, "sha256").ljust(64, b"\0")
+        states = (
+            hashlib.sha256(bytes(byte ^ 0x36 for byte in key)),
+            hashlib.sha256(bytes(byte ^ 0x5C for byte in key)),
+        )
+        if len(_SCOPE_KEYS) < _SCOPE_KEYS_MAX:
+            _SCOPE_KEYS[secret] = states
+    return states
+
+
+def with_host(scope: str, host: str) -> str:
+    """A default scope on a route with a subdomain or a host: ``user:5@acme.example.com``.
+
+    The host is as routing matched it (lower case, no default port). A host never
+    holds ``@`` (Werkzeug accepts letters, digits, ``.``, ``-``, ``:`` and ``[]``),
+    so the last ``@`` always starts it.
+    """
+    return scope + "@" + host.lower()
 
 
 def _login_user_id(app: Flask | None = None) -> str | None:
@@ -125,15 +226,17 @@ def _login_user_id(app: Flask | None = None) -> str | None:
 
 
 def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozenset()) -> str:
-    """SHA-256 over method, route, query and canonical body, as hex (C6).
+    """SHA-256 over method, route, media type, query and canonical body, as hex (C6).
 
     ``omit_fields``: form fields that say nothing about the request itself (the
     form's idempotency key and CSRF token, C49), left out of a form body.
 
     The digest's input is the framed parts (see :func:`_digest`) of the version,
-    the method, the rule, the URL values as JSON, the sorted query as JSON and the
-    body's own SHA-256. Every replay computes it, so the parts that are the same
-    for a route are framed once (issue 11); the bytes are what they always were.
+    the method, the endpoint, the rule's path, subdomain and host, the media type,
+    the URL values as JSON, the query as JSON (sorted by name, each name's values
+    in their order) and the body's own SHA-256. Every replay computes it, so the
+    parts that are the same for a route, or for a ``Content-Type``, are framed once
+    (issue 11).
     """
     if isinstance(request, LocalProxy):
         request = request._get_current_object()
@@ -141,47 +244,69 @@ def request_fingerprint(request: Request, omit_fields: frozenset[str] = frozense
     url_rule = request.url_rule
     view_args = request.view_args
     query_string = request.query_string
+    mimetype, media = _media_type(request)
     body = hashlib.sha256()
-    _hash_body(request, body, omit_fields)
+    _hash_body(request, mimetype, body, omit_fields)
     if url_rule is None:
-        head = _head(method, request.path)  # the client's path: never kept
+        head = _head((method, "", request.path, None, None))  # the client's path: never kept
     else:
-        head = _HEADS.get((method, url_rule.rule)) or _remember_head(method, url_rule.rule)
+        route = (method, url_rule.endpoint, url_rule.rule, url_rule.subdomain, url_rule.host)
+        head = _HEADS.get(route) or _remember_head(route)
     if not view_args and not query_string:
         args = _NO_ARGS  # what the two encoders give for no values and no query
     else:
         values = _VIEW_ARGS_JSON.encode(view_args) if view_args else "{}"
         query = (
-            _COMPACT_JSON.encode(sorted(request.args.items(multi=True))) if query_string else "[]"
+            _COMPACT_JSON.encode(sorted(request.args.items(multi=True), key=_NAME))
+            if query_string
+            else "[]"
         )
         args = _frame(values.encode("utf-8")) + _frame(query.encode("utf-8"))
-    return hashlib.sha256(b"".join((head, args, _BODY_DIGEST_LENGTH, body.digest()))).hexdigest()
+    return hashlib.sha256(
+        b"".join((head, media, args, _BODY_DIGEST_LENGTH, body.digest()))
+    ).hexdigest()
 
 
-def _head(method: str, rule: str) -> bytes:
-    return _FINGERPRINT_HEAD + _frame(method.encode("ascii")) + _frame(rule.encode("utf-8"))
+def _head(route: tuple[str, str, str, str | None, str | None]) -> bytes:
+    """The framed version, method, endpoint, rule path, and the rule's subdomain and
+    host (C6): ``/orders`` on ``acme.example.com`` is not ``/orders`` on ``globex``."""
+    method, endpoint, rule, subdomain, host = route
+    return b"".join(
+        (
+            _FINGERPRINT_HEAD,
+            _frame(method.encode("ascii")),
+            _frame(endpoint.encode("utf-8")),
+            _frame(rule.encode("utf-8")),
+            _frame((subdomain or "").encode("utf-8")),
+            _frame((host or "").encode("utf-8")),
+        )
+    )
 
 
-def _remember_head(method: str, rule: str) -> bytes:
-    head = _head(method, rule)
+def _remember_head(route: tuple[str, str, str, str | None, str | None]) -> bytes:
+    head = _head(route)
     if len(_HEADS) < _HEADS_MAX:
-        _HEADS[method, rule] = head
+        _HEADS[route] = head
     return head
 
 
-def _mimetype(request: Request) -> str:
-    """``request.mimetype``, which parses ``Content-Type`` again on every read.
+def _media_type(request: Request) -> tuple[str, bytes]:
+    """``request.mimetype``, and it framed for the digest (C6).
 
-    Werkzeug derives it from the ``Content-Type`` value alone, so it is remembered
-    per value (the few an app sees; a bounded number of them).
+    The media type without its parameters, in lower case: ``application/json;
+    charset=utf-8`` is ``application/json``, and a multipart boundary does not
+    count. ``request.mimetype`` parses ``Content-Type`` again on every read;
+    Werkzeug derives it from the ``Content-Type`` value alone, so both are
+    remembered per value (the few an app sees; a bounded number of them).
     """
     content_type = request.environ.get("CONTENT_TYPE", "")
-    mimetype = _MIMETYPES.get(content_type) if type(content_type) is str else None
-    if mimetype is None:
+    known = _MIMETYPES.get(content_type) if type(content_type) is str else None
+    if known is None:
         mimetype = request.mimetype
+        known = (mimetype, _frame(mimetype.encode("utf-8", "surrogatepass")))
         if type(content_type) is str and len(_MIMETYPES) < _MIMETYPES_MAX:
-            _MIMETYPES[content_type] = mimetype
-    return mimetype
+            _MIMETYPES[content_type] = known
+    return known
 
 
 def _read_body(request: Request) -> bytes:
@@ -213,8 +338,9 @@ def _read_body(request: Request) -> bytes:
     return data
 
 
-def _hash_body(request: Request, body: Any, omit_fields: frozenset[str] = frozenset()) -> None:
-    mimetype = _mimetype(request)
+def _hash_body(
+    request: Request, mimetype: str, body: Any, omit_fields: frozenset[str] = frozenset()
+) -> None:
     if mimetype == "application/json" or mimetype.endswith("+json"):
         data = _read_body(request)
         canonical = _canonical_json(data)
@@ -299,12 +425,16 @@ _dump_canonical = _canonical_encoder()
 
 
 def _hash_fields(request: Request, body: Any, omit: frozenset[str], *, with_files: bool) -> None:
-    """Hash the sorted fields as the compact JSON list they always were, piece by piece.
+    """Hash the fields as a compact JSON list, piece by piece.
+
+    The fields (``["f", name, value]``), then the uploads (``["file", name,
+    filename, mimetype, sha256]``), each sorted by name only, stably: the order of
+    names does not count, the order of a repeated name's values does (C6).
 
     The bytes fed to ``body`` are exactly ``json.dumps(fields, separators=(",", ":"),
-    ensure_ascii=False).encode()``, so fingerprints do not change, but no whole
-    JSON text of the form is ever built: an 80 MiB field used to cost two more
-    80 MiB copies (the JSON string and its UTF-8 bytes), see C31.
+    ensure_ascii=False).encode()``, but no whole JSON text of the form is ever
+    built: an 80 MiB field used to cost two more 80 MiB copies (the JSON string and
+    its UTF-8 bytes), see C31.
     """
     fields = [["f", k, v] for k, v in request.form.items(multi=True) if k not in omit]
     if with_files:
@@ -317,7 +447,7 @@ def _hash_fields(request: Request, body: Any, omit: frozenset[str], *, with_file
             fields.append(
                 ["file", name, upload.filename or "", upload.mimetype, content.hexdigest()]
             )
-    fields.sort()
+    fields.sort(key=_KIND_AND_NAME)  # stable: a repeated name keeps its values' order (C6)
     body.update(b"[")
     for index, field in enumerate(fields):
         body.update(b"[" if index == 0 else b",[")

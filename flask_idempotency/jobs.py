@@ -270,6 +270,9 @@ class Once:
             path=name,
         )
         run = Run(ident)
+        if not settings.enabled:  # the layer is off (C56): the work runs, nothing is kept
+            run.owned = True
+            return run
         run._state = state
         run._atomic = self._atomic
         run._lease_seconds = lease
@@ -315,6 +318,8 @@ class Once:
         )
 
     def _complete(self, run: Run) -> None:
+        if run._state is None:
+            return  # IDEMPOTENCY_ENABLED = False: nothing to store
         state, claim = run._state, run._claim
         assert state is not None and claim is not None
         _stop_heartbeat(run)  # the completion is fenced; a renewal must not race it
@@ -390,6 +395,8 @@ class Once:
 
     def _release(self, run: Run, reason: str) -> None:
         """Give the key back so the next delivery runs the work (C17, C20)."""
+        if run._state is None:
+            return  # IDEMPOTENCY_ENABLED = False: nothing was claimed
         state, claim = run._state, run._claim
         assert state is not None and claim is not None
         _stop_heartbeat(run)
@@ -427,7 +434,9 @@ def _completion_landed(
         _lease_lost(run, "complete")
         return
     completed = Completed(run.ident.fingerprint, expires_at_ms, stored)
-    run.state.announce_completed(run.key_digest, completed)
+    run.state.announce_completed(run.key_digest, completed)  # C23: after the commit
+    if omitted:
+        run.state.stored_without_body("once:" + run.ident.path)
     _send(signals.response_stored, run, status=200, body_omitted=omitted)
 
 

@@ -28,8 +28,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from flask import Flask, Response, after_this_request, current_app, has_request_context, request
+from werkzeug.exceptions import RequestEntityTooLarge
 
-from . import forms, signals
+from . import forms, misuse, signals
 from .completion import settle as completion
 from .completion.ownership import Ownership
 from .config import EffectiveOptions, RouteOptions
@@ -37,9 +38,15 @@ from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, 
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
 from .notify import wait_for_owner
-from .problems import InvalidKeyProblem, MissingKey, RequestInProgress, StoreUnavailable
+from .problems import (
+    InvalidKeyProblem,
+    MissingKey,
+    RequestInProgress,
+    StoreUnavailable,
+)
 from .problems import KeyReused as KeyReusedProblem
 from .records import Claim, Completed, Identity, Record
+from .request_body import cap_body, too_large
 from .responses import replay
 from .store import StoreError, StoreMisconfigured
 
@@ -50,6 +57,8 @@ log = logging.getLogger("flask_idempotency")
 
 #: Attribute ``@idempotent`` sets on a view function.
 ROUTE_OPTIONS_ATTR = "__idempotency_options__"
+#: On the guard ``@idempotent`` returns: the view it guards, which the layer calls itself.
+GUARDED_ATTR = "__idempotency_guarded__"
 #: Header on a response the view produced without protection (``IDEMPOTENCY_FAIL_OPEN``).
 UNPROTECTED_HEADER = "Idempotency-Unprotected"
 _STORE_RETRY_AFTER = 3.0
@@ -104,6 +113,12 @@ def protect_views(app: Flask) -> None:
     for endpoint, view in list(views.items()):
         if not getattr(view, _PROTECTED_ATTR, False) and _marked(view):
             views[endpoint] = _protect(app, view)
+            misuse.warn_unprotectable(
+                app,
+                app.extensions["idempotency"],
+                endpoint,
+                functools.partial(_route_options, view),
+            )
 
 
 def _marked(view: Callable[..., Any]) -> bool:
@@ -114,7 +129,8 @@ def _marked(view: Callable[..., Any]) -> bool:
 def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper that stands for ``view``: decide, run the view as the owner, settle."""
     state: AppState = app.extensions["idempotency"]
-    run_view = app.ensure_sync(view)  # a coroutine view runs as Flask would run it
+    # The view itself, not the guard that refuses to run it in an app without the layer.
+    run_view = app.ensure_sync(getattr(view, GUARDED_ATTR, view))  # a coroutine view as Flask
     # A view function's own options are fixed; a class-based view's depend on the method.
     fixed: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
 
@@ -174,25 +190,26 @@ def _decide_request(
         # joins repeated header lines into one value, so it never holds more than one
         # (``getlist`` would scan the whole environ).
         header = req.environ.get(settings.header_environ_key)
-        key = (
-            parse_key([header], strict=settings.strict_header, max_length=settings.key_max_length)
-            if header is not None
-            else forms.key_from_form(req, settings)  # C49: no header, maybe a form field
-        )
+        if header is not None:
+            key = parse_key(
+                [header], strict=settings.strict_header, max_length=settings.key_max_length
+            )
+        else:  # C49: no header, maybe a form field (Werkzeug's form limits apply there)
+            key = forms.key_from_form(req, settings)
     except InvalidKey as exc:
         raise InvalidKeyProblem(str(exc)) from None  # C3
     if key is None:
         if options.required:
             raise MissingKey(f"This endpoint requires an {settings.header} header.")  # C4
         return None
+    if header is not None:
+        cap_body(req, settings.max_request_bytes)
     scope = state.scope_for_request(req, app)
-    ident = Identity(
-        scope,
-        key_digest(scope, key),
-        request_fingerprint(req, forms.omitted_fields(settings, app.config)),
-        method,
-        req.path,
-    )
+    try:
+        fingerprint = request_fingerprint(req, forms.omitted_fields(settings, app.config))
+    except RequestEntityTooLarge:  # a body without Content-Length ran past the cap
+        raise too_large(settings.max_request_bytes) from None
+    ident = Identity(scope, key_digest(scope, key), fingerprint, method, req.path)
     guard_locks = options.atomic
 
     def look_up() -> tuple[Outcome, str]:
@@ -275,7 +292,15 @@ def _store_down(state: AppState, ident: Identity, started: float, exc: StoreErro
     """Answer 503 for a store that cannot claim; return only when the app fails open (C25)."""
     if isinstance(exc, StoreMisconfigured):  # a deployment error: never fail open for it (C45)
         log.error("idempotency: %s", exc)
-        _send(signals.store_error, ident, started, tier="database", error=str(exc), action="claim")
+        _send(
+            signals.store_error,
+            ident,
+            started,
+            tier="database",
+            error=str(exc),
+            action="claim",
+            answer="503",
+        )
         raise StoreUnavailable(
             "The idempotency table is not set up, so the request was not processed.",
             retry_after=_STORE_RETRY_AFTER,
@@ -283,8 +308,17 @@ def _store_down(state: AppState, ident: Identity, started: float, exc: StoreErro
     state.outage_log.warning(
         "idempotency: durable store unavailable (%s), e.g. for key %s", exc, ident.key_digest[:16]
     )
-    _send(signals.store_error, ident, started, tier="database", error=str(exc), action="claim")
-    if state.settings.fail_open:
+    fail_open = state.settings.fail_open
+    _send(
+        signals.store_error,
+        ident,
+        started,
+        tier="database",
+        error=str(exc),
+        action="claim",
+        answer="unprotected" if fail_open else "503",
+    )
+    if fail_open:
         return
     raise StoreUnavailable(
         "The idempotency store is unavailable, so the request was not processed."

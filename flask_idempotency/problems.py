@@ -23,6 +23,7 @@ from werkzeug.exceptions import (
     BadRequest,
     Conflict,
     HTTPException,
+    RequestEntityTooLarge,
     ServiceUnavailable,
     UnprocessableEntity,
 )
@@ -85,6 +86,12 @@ class RequestInProgress(IdempotencyProblem, Conflict):
     code = 409
     problem_code = "request-in-progress"
     title = "A request is outstanding for this Idempotency-Key"
+
+
+class RequestTooLarge(IdempotencyProblem, RequestEntityTooLarge):
+    code = 413
+    problem_code = "request-too-large"
+    title = "Request body too large for an idempotent request"
 
 
 # Werkzeug's _RetryAfter types retry_after differently; ours (seconds) is the one used.

@@ -12,6 +12,17 @@ IN_PROGRESS = "in_progress"
 COMPLETED = "completed"
 
 
+def storable(text: str) -> str:
+    """``text`` as any database's text column holds it: NUL written ``%00``, and what is
+    not text at all (lone surrogates) written as a backslash escape (issue 22.6)."""
+    text = text.replace("\x00", "%00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class Identity:
     """Who is asking and for what: the record's name and the request's fingerprint."""
@@ -28,14 +39,24 @@ class Identity:
         # ``path`` comes from the client (``/files/a%00b``) and ``scope`` from the app;
         # PostgreSQL text cannot hold NUL, so an unescaped one would turn a request
         # into a 500. They are informational columns: the record is named by the digest.
-        if "\x00" in scope:
-            scope = scope.replace("\x00", "%00")
+        if not scope.isascii() or "\x00" in scope:
+            scope = storable(scope)
         if "\x00" in path:
             path = path.replace("\x00", "%00")
         # Set in one call: the generated __init__ of a frozen dataclass sets each field
         # through object.__setattr__, which cost more than the rest of it (issue 11).
         self.__dict__.update(
             scope=scope, key_digest=key_digest, fingerprint=fingerprint, method=method, path=path
+        )
+
+    def in_ascii(self) -> Identity:
+        """The same identity with its informational columns in ASCII (backslash escapes)."""
+        return Identity(
+            self.scope.encode("ascii", "backslashreplace").decode("ascii"),
+            self.key_digest,
+            self.fingerprint,
+            self.method,
+            self.path.encode("ascii", "backslashreplace").decode("ascii"),
         )
 
 

@@ -58,7 +58,9 @@ lease_lost = _signals.signal("idempotency-lease-lost")
 claim_released = _signals.signal("idempotency-claim-released")
 #: A response was stored. Extra: ``status``, ``body_omitted``.
 response_stored = _signals.signal("idempotency-response-stored")
-#: A store failed. Extra: ``tier`` (``"database"`` or ``"cache"``), ``error``, ``action``.
+#: A store failed. Extra: ``tier`` (``"database"`` or ``"cache"``), ``error``, ``action``;
+#: for a request whose claim failed (``action="claim"``), ``answer``: ``"503"``, or
+#: ``"unprotected"`` when ``IDEMPOTENCY_FAIL_OPEN`` ran the view without protection.
 store_error = _signals.signal("idempotency-store-error")
 #: Transactional mode: a serialization failure or deadlock rolled the view back and it runs
 #: again under the same claim (C43). Extra: ``attempt`` (the one that failed), ``sqlstate``.

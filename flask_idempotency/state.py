@@ -38,6 +38,8 @@ class Extension(Protocol):
     _scope_loader: Callable[[], Any] | None
 
 
+#: The key of :class:`AppState` in ``app.extensions``.
+EXTENSION_NAME = "idempotency"
 #: Routes whose merged options :meth:`AppState.effective_options` keeps.
 _OPTIONS_KEPT = 1024
 log = logging.getLogger("flask_idempotency")
@@ -89,6 +91,8 @@ class AppState:
     #: plain flag, read on every request without a call.
     _default_scope_told: bool = False
     _default_scope_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    #: What this app has warned of already (:meth:`warn_once`).
+    _warned: set[Any] = dataclasses.field(default_factory=set)
 
     def look_up(
         self, ident: Identity, *, ttl: float, lease: float, guard_locks: bool
@@ -115,6 +119,30 @@ class AppState:
         elif outcome.how in ("new", "replaced"):  # the database set expiry = its now + ttl
             self.clock.observe(outcome.expires_at_ms - int(ttl * 1000), sent_at)
         return outcome, "database"
+
+    def warn_once(self, what: Any, message: str, *args: Any) -> None:
+        """Log a WARNING the first time ``what`` happens in this app, never again: a
+        misuse found at the first request, an endpoint whose answers are too large to
+        store (C56). A set look-up when it has been said already."""
+        if what in self._warned:
+            return
+        with self._default_scope_lock:
+            if what in self._warned:
+                return
+            self._warned.add(what)
+        log.warning(message, *args)
+
+    def stored_without_body(self, endpoint: str | None) -> None:
+        """Say once per endpoint that its answers are too large to keep whole (C33, C56)."""
+        self.warn_once(
+            ("body-omitted", endpoint),
+            "idempotency: an answer of %r was larger than IDEMPOTENCY_MAX_BODY_BYTES (%d"
+            " bytes), so it was stored without its body: a retry gets its status and headers"
+            " with an empty body and 'Idempotency-Replay: omitted' (C33). Raise the limit if"
+            " clients need the body on a retry. (Said once per endpoint.)",
+            endpoint,
+            self.settings.max_body_bytes,
+        )
 
     def promote(self, key_digest: str, completed: Completed) -> None:
         """Cache a completed record for the time it has left by the database's clock (C42)."""

@@ -106,6 +106,8 @@ def assert_idempotent(
     if concurrency < 1 or retries < 0:
         raise ValueError("assert_idempotent: concurrency must be >= 1 and retries >= 0.")
     live = isinstance(client, str)
+    if not live:
+        _require_enabled(client.application, "assert_idempotent")
     if live and counter is None:
         raise TypeError(
             "assert_idempotent(<url>, ...) needs counter=: the extension's signals fire in"
@@ -131,6 +133,16 @@ def assert_idempotent(
 
 
 # -- checks ---------------------------------------------------------------------------
+
+
+def _require_enabled(app: Flask, helper: str) -> None:
+    state = app.extensions.get("idempotency")
+    if state is not None and not state.settings.enabled:
+        raise AssertionError(
+            f"{helper}: app {app.name!r} has IDEMPOTENCY_ENABLED = False, so the layer is"
+            " off and every request runs the view: nothing can be idempotent. Give this"
+            " test an app with the layer on (IDEMPOTENCY_ENABLED = True, the default)."
+        )
 
 
 def _check(
@@ -351,6 +363,9 @@ def isolated_store(app: Flask) -> Iterator[DurableStore]:
     state = app.extensions.get("idempotency")
     if state is None:
         raise RuntimeError("isolated_store(app): Flask-Idempotency is not registered on app.")
+    if not state.settings.enabled:  # the layer is off: no table to make, none to drop
+        yield state.store
+        return
     salt = uuid.uuid4().hex[:12]
     old_store, old_cache = state.store, state.cache
     store = DurableStore(old_store._engine_factory, table_name=f"idem_test_{salt}")
@@ -362,6 +377,7 @@ def isolated_store(app: Flask) -> Iterator[DurableStore]:
     finally:
         state.store, state.cache = old_store, old_cache
         store.table.drop(store.engine, checkfirst=True)
+        store.identity_table.drop(store.engine, checkfirst=True)
 
 
 class _SaltedCache:

@@ -6,8 +6,9 @@ clients whose commands give up after ``IDEMPOTENCY_REDIS_SOCKET_TIMEOUT`` (C24),
 puts on them the pair the extension uses: :class:`~.cache.redis.RedisCache` and a
 notifier (:class:`~.notify.redis.RedisNotifier`, or :class:`~.notify.cluster.ClusterNotifier`
 on a Cluster) sharing one breaker. Clients are shared per process by URL
-(:mod:`.process`). :func:`store_origin` names the durable store, so two services on
-one Redis never see each other's records or wake-ups (C41).
+(:mod:`.process`). :func:`store_origin` names the durable store by the identity its
+database keeps, so two services on one Redis never see each other's records or
+wake-ups (C41).
 
 Nothing here is needed without Redis: the extension imports this module only when a
 Redis URL or client is configured.
@@ -36,16 +37,16 @@ if TYPE_CHECKING:
     from .notify import WakeupHub
 
 
-def store_origin(url: Any, table: str) -> str:
-    """A short, stable name for one durable store: its database (no password) and table.
+def store_origin(store_id: str, table: str) -> str:
+    """A short, stable name for one durable store: its identity and its table (C41).
 
-    Two apps on the same database and table are the same store and share records, as
-    they should (two workers, two hosts); anything else never does (C41).
+    ``store_id`` is the random id the store's own database keeps
+    (:meth:`~flask_idempotency.store.DurableStore.identity`), never the text of a URL:
+    two URLs that read the same may reach two databases. Two apps on the same database
+    and table are the same store and share records, as they should (two workers, two
+    hosts); anything else never does.
     """
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url).set(password=None)
-    text = f"{parsed.render_as_string(hide_password=False)}|{table}"
+    text = f"{store_id}|{table}"
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 

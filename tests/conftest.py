@@ -143,7 +143,7 @@ def make_mysql_app(make_app: Any, mysql_url: URL, pg_table: str) -> Iterator[Any
     created: list[Any] = []
     yield _app_factory_on(make_app, mysql_url, pg_table, created)
     if created:
-        created[0].table.drop(created[0].engine, checkfirst=True)
+        drop_store_tables(created[0])
 
 
 @pytest.fixture(
@@ -160,7 +160,7 @@ def make_server_app(request: Any, make_app: Any, pg_table: str) -> Iterator[Any]
     created: list[Any] = []
     yield _app_factory_on(make_app, url, pg_table, created)
     if created:
-        created[0].table.drop(created[0].engine, checkfirst=True)
+        drop_store_tables(created[0])
 
 
 # -- apps ----------------------------------------------------------------------------
@@ -192,6 +192,12 @@ def make_app(tmp_path: Any) -> Iterator[AppFactory]:
 
     yield factory
     close_stores(stores)
+
+
+def drop_store_tables(store: Any) -> None:
+    """Drop a store's records table and its identity table (``<table>_store``, C41)."""
+    for table in (store.table, store.identity_table):
+        table.drop(store.engine, checkfirst=True)
 
 
 def close_stores(stores: list[Any]) -> None:
@@ -244,7 +250,7 @@ def make_pg_app(make_app: AppFactory, pg_driver_url: URL, pg_table: str) -> Iter
 
     yield factory
     if created:
-        created[0].table.drop(created[0].engine, checkfirst=True)
+        drop_store_tables(created[0])
 
 
 # -- Redis ---------------------------------------------------------------------------

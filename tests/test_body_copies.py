@@ -60,7 +60,8 @@ def test_i9_9_c31_multipart_upload_is_spooled_once() -> None:
 
 @pytest.mark.parametrize("kind", ["urlencoded", "multipart"])
 def test_i9_9_c6_the_form_fingerprint_did_not_change(kind: str) -> None:
-    """C6: hashing the fields piece by piece gives the fingerprint the whole JSON gave."""
+    """C6: hashing the fields piece by piece gives the fingerprint the whole JSON gives
+    (fields, then uploads, each sorted by name only, stably: issue 26 item 2)."""
     import hashlib
 
     from flask import Flask, request
@@ -76,14 +77,14 @@ def test_i9_9_c6_the_form_fingerprint_did_not_change(kind: str) -> None:
         kwargs["data"]["up"] = (io.BytesIO(b"file-bytes" * 10_000), "f.bin", "x/y")
     with app.test_request_context("/", method="POST", **kwargs):
         digest = hashlib.sha256()
-        fingerprint._hash_body(request, digest)
+        fingerprint._hash_body(request, request.mimetype, digest)
         rows = [["f", k, v] for k, v in request.form.items(multi=True)]
         if kind == "multipart":
             upload = request.files["up"]
             content = hashlib.sha256(upload.read()).hexdigest()
             upload.seek(0)
             rows.append(["file", "up", "f.bin", "x/y", content])
-        rows.sort()
+        rows.sort(key=lambda row: (row[0], row[1]))  # by kind and name only, stably (C6)
         expected = hashlib.sha256(
             (b"form:" if kind == "urlencoded" else b"multipart:")
             + json.dumps(rows, separators=(",", ":"), ensure_ascii=False).encode("utf-8")

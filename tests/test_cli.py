@@ -21,7 +21,7 @@ import pytest
 from flask import Flask, jsonify, request
 from sqlalchemy import func, insert, select, text
 
-from flask_idempotency import Idempotency, idempotent
+from flask_idempotency import Idempotency, cli, idempotent
 from flask_idempotency.fingerprint import key_digest
 from flask_idempotency.store.clock import db_now_ms
 from flask_idempotency.store.maintenance import Maintenance
@@ -455,7 +455,7 @@ def test_c28_stats_counts_records_by_state(pg_app: Flask) -> None:
 @pytest.fixture
 def payments_app(make_pg_app: Any) -> tuple[Flask, list[int]]:
     """A protected view whose scope is the ``X-Tenant`` header, and a count of its runs."""
-    app, ext = make_pg_app()
+    app, ext = make_pg_app({"SECRET_KEY": "cli-tests"})
     calls: list[int] = []
 
     @ext.scope_loader
@@ -499,7 +499,7 @@ def test_c28_show_names_the_record_by_key_and_scope(payments_app: tuple[Flask, l
 
     other_scope = runner.invoke(args=["idempotency", "show", "order-1", "--scope", "globex"])
     assert other_scope.exit_code == 1
-    assert "no record for that key in this scope" in other_scope.output
+    assert "no record for that key in scope 'globex'" in other_scope.output
 
     prefix = key_digest("scope:acme", "order-1")[:16]
     by_digest = runner.invoke(args=["idempotency", "show", prefix, "--digest"])
@@ -518,7 +518,36 @@ def test_c28_show_default_scopes(payments_app: tuple[Flask, list[int]]) -> None:
     assert runner.invoke(args=["idempotency", "show", "auth-1"]).exit_code == 1
     shown = runner.invoke(args=["idempotency", "show", "auth-1", "--authorization", "Bearer t0k"])
     assert shown.exit_code == 0, shown.output
-    assert "scope          auth:" in shown.output
+    assert "scope          auth-hmac:" in shown.output
+    assert "t0k" not in shown.output
+
+
+def test_i26_5_c30_show_reads_the_authorization_header_off_the_command_line(
+    payments_app: tuple[Flask, list[int]],
+) -> None:
+    """``--authorization -`` reads the header from stdin (or a hidden prompt), so the
+    credential stays out of the shell's history and the process list."""
+    app, _ = payments_app
+    app.test_client().post(
+        "/pay", json={"a": 3}, headers={"Idempotency-Key": "auth-2", "Authorization": "Bearer s3"}
+    )
+    runner = app.test_cli_runner()
+    shown = runner.invoke(
+        args=["idempotency", "show", "auth-2", "--authorization", "-"], input="Bearer s3\n"
+    )
+    assert shown.exit_code == 0, shown.output
+    assert "scope          auth-hmac:" in shown.output and "Bearer s3" not in shown.output
+    empty = runner.invoke(args=["idempotency", "show", "auth-2", "--authorization", "-"], input="")
+    assert empty.exit_code == 2
+
+
+def test_i26_5_c30_show_without_a_scope_secret_says_what_to_set(make_app: Any) -> None:
+    app, _ = make_app()
+    result = app.test_cli_runner().invoke(
+        args=["idempotency", "show", "k", "--authorization", "Bearer x"]
+    )
+    assert result.exit_code == 1
+    assert "IDEMPOTENCY_SCOPE_SECRET" in result.output and "SECRET_KEY" in result.output
 
 
 def test_c28_show_and_forget_reject_bad_arguments(payments_app: tuple[Flask, list[int]]) -> None:
@@ -575,6 +604,46 @@ def test_c28_forget_asks_first_then_the_key_runs_again(
     assert skipped.exit_code == 0 and "Forgot the record" in skipped.output
     missing = runner.invoke(args=["idempotency", "forget", "order-9", "--scope", "acme", "--yes"])
     assert missing.exit_code == 1 and "no record" in missing.output
+
+
+def test_i26_3_c28_show_names_a_default_scope_of_a_subdomain_route_by_its_host(
+    make_app: Any,
+) -> None:
+    """Issue 26 item 3: the default scope of a route with a subdomain carries the host,
+    so ``show`` and ``forget`` take it as ``--host``."""
+    app, _ = make_app({"SERVER_NAME": "example.com", "SECRET_KEY": "cli-test"})
+    app.subdomain_matching = True
+
+    @app.post("/orders", subdomain="<tenant>")
+    @idempotent
+    def orders(tenant: str) -> Any:
+        return jsonify(tenant=tenant), 201
+
+    client = app.test_client()
+    for headers in ({}, {"Authorization": "Bearer t0k"}):
+        answer = client.post(
+            "/orders",
+            base_url="http://ACME.example.com",
+            json={},
+            headers={"Idempotency-Key": "o-1", **headers},
+        )
+        assert answer.status_code == 201
+    runner = app.test_cli_runner()
+    show = ["idempotency", "show", "o-1"]
+    assert runner.invoke(args=show).exit_code == 1  # not the host-less anonymous scope
+    shown = runner.invoke(args=[*show, "--host", "acme.example.com"])
+    assert shown.exit_code == 0, shown.output
+    assert "scope          anonymous@acme.example.com" in shown.output
+    with_auth = [*show, "--host", "acme.example.com", "--authorization", "Bearer t0k"]
+    assert runner.invoke(args=with_auth).exit_code == 0
+    assert runner.invoke(args=[*show, "--host", "globex.example.com"]).exit_code == 1
+    for wrong in (["--scope", "acme"], ["--digest"]):
+        refused = runner.invoke(args=[*show, "--host", "acme.example.com", *wrong])
+        assert refused.exit_code == 2, refused.output
+    forgot = runner.invoke(
+        args=["idempotency", "forget", "o-1", "--host", "acme.example.com", "--yes"]
+    )
+    assert forgot.exit_code == 0 and "Forgot the record" in forgot.output
 
 
 def test_c28_forget_warns_about_a_request_in_flight(pg_app: Flask) -> None:
@@ -699,3 +768,96 @@ def test_i9_12_c45_create_table_under_db_says_what_to_run_instead(tmp_path: Path
     assert result.exit_code == 1, result.output
     for fix in ("flask db migrate", "flask db upgrade", "db.create_all()", "create-table --sql"):
         assert fix in result.output
+
+
+# -- issue 26 item 8: nothing a client sent reaches the operator's terminal raw -----------------
+
+#: An OSC sequence that retitles the terminal, as a client can put it in a path.
+OSC = "\x1b]0;pwned\x07"
+
+
+@pytest.fixture
+def notes_app(make_app: Any) -> Flask:
+    """A protected view whose path, scope and answer come from the client."""
+    app, ext = make_app()
+
+    @ext.scope_loader
+    def from_body() -> str | None:
+        return (request.get_json(silent=True) or {}).get("tenant")
+
+    @app.post("/notes/<path:name>")
+    @idempotent
+    def note(name: str) -> Any:
+        body = (request.get_json(silent=True) or {}).get("text", "").encode("utf-8")
+        return body + b"\n\xff\r" + OSC.encode(), 201, {"Content-Type": "text/plain"}
+
+    return app
+
+
+def _show(app: Flask, *args: str) -> Any:
+    return app.test_cli_runner().invoke(args=["idempotency", "show", *args])
+
+
+def test_i26_8_c28_show_escapes_control_characters_of_the_stored_request(
+    notes_app: Flask,
+) -> None:
+    answer = notes_app.test_client().post(
+        "/notes/%1B%5D0;pwned%07",
+        json={"tenant": "acme\x1b[2J\u202e"},
+        headers={"Idempotency-Key": "n-1"},
+    )
+    assert answer.status_code == 201
+    shown = _show(notes_app, "n-1", "--scope", "acme\x1b[2J\u202e")
+    assert shown.exit_code == 0, shown.output
+    for raw in ("\x1b", "\x07", "\u202e"):
+        assert raw not in shown.output
+    assert "request        POST /notes/\\x1b]0;pwned\\x07" in shown.output
+    assert "scope          scope:acme\\x1b[2J\\u202e" in shown.output
+    forgot = notes_app.test_cli_runner().invoke(
+        args=["idempotency", "forget", "n-1", "--scope", "acme\x1b[2J\u202e", "--yes"]
+    )
+    assert forgot.exit_code == 0 and "\x1b" not in forgot.output
+
+
+def test_i26_8_c28_show_body_on_a_terminal_is_a_safe_rendering(
+    notes_app: Flask, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--body`` to a terminal escapes what a terminal would act on (newlines and
+    tabs stay); piped, or with ``--raw``, it writes the stored bytes as they are."""
+    notes_app.test_client().post(
+        "/notes/a", json={"text": "line 1\n\tline 2 \\x1b"}, headers={"Idempotency-Key": "n-2"}
+    )
+    stored = b"line 1\n\tline 2 \\x1b\n\xff\r" + OSC.encode()
+    piped = _show(notes_app, "n-2", "--body")
+    assert piped.exit_code == 0 and piped.stdout_bytes.endswith(stored + b"\n")
+
+    monkeypatch.setattr(cli, "_stdout_is_terminal", lambda: True, raising=False)
+    shown = _show(notes_app, "n-2", "--body")
+    assert shown.exit_code == 0, shown.output
+    assert not set(shown.output) & {"\x1b", "\x07", "\r", "\udcff"}
+    rendered = "line 1\n\tline 2 \\\\x1b\n\\xff\\x0d\\x1b]0;pwned\\x07\n"
+    assert shown.output.endswith("\n\n" + rendered), shown.output
+    raw = _show(notes_app, "n-2", "--body", "--raw")
+    assert raw.exit_code == 0 and raw.stdout_bytes.endswith(stored + b"\n")
+    assert _show(notes_app, "n-2", "--raw").exit_code == 2  # --raw goes with --body
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("/orders/é/日本/🙂", "/orders/é/日本/🙂"),  # letters and symbols stay
+        ("a\\x1b", "a\\\\x1b"),  # a backslash is doubled: escapes are unambiguous
+        ("\x1b[2J\x07\x00\x7f", "\\x1b[2J\\x07\\x00\\x7f"),  # C0 and DEL
+        ("\x9b31m\x85", "\\u009b31m\\u0085"),  # C1: CSI, NEL
+        ("\u202eevil\u2066\u200b\ufeff", "\\u202eevil\\u2066\\u200b\\ufeff"),  # format
+        ("a\u2028b\u2029c", "a\\u2028b\\u2029c"),  # line and paragraph separators
+        ("\udcff", "\\xff"),  # a byte that was not UTF-8
+        ("a\nb\tc\rd", "a\\x0ab\\x09c\\x0dd"),
+    ],
+)
+def test_i26_8_c28_printable_escapes_what_a_terminal_acts_on(text: str, shown: str) -> None:
+    assert cli.printable(text) == shown
+
+
+def test_i26_8_c28_printable_keeps_a_bodys_lines_when_asked() -> None:
+    assert cli.printable("a\nb\tc\rd", keep_lines=True) == "a\nb\tc\\x0dd"

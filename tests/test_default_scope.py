@@ -9,16 +9,22 @@ at an app's first protected request without a loader.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import logging
 import threading
 
 import pytest
 from flask import Flask, jsonify
 from flask_login import LoginManager, UserMixin
+from sqlalchemy import select
 
-from flask_idempotency import idempotent
+from flask_idempotency import idempotent, signals
 
 REPLAYED = "Idempotent-Replayed"
+#: The Authorization scope is keyed by SECRET_KEY (or IDEMPOTENCY_SCOPE_SECRET): issue 26.
+WITH_SECRET = {"IDEMPOTENCY_WAIT": 0, "SECRET_KEY": "default-scope-tests"}
 #: Two access tokens of one user, as an OAuth client holds before and after a refresh.
 TOKENS = {"token-before-refresh": "u1", "token-after-refresh": "u1", "token-of-u2": "u2"}
 
@@ -82,7 +88,7 @@ def test_i9_14_c5_c46_two_logged_in_users_never_share_a_key(make_app) -> None:
 
 def test_i9_14_c46_anonymous_flask_login_user_falls_back_to_authorization(make_app) -> None:
     """C46: an unauthenticated ``current_user`` is no scope: the Authorization digest is."""
-    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    app, _ = make_app(WITH_SECRET)
     _with_login(app)
     calls = _counted(app)
     assert _post(app, "unknown-token-a").status_code == 201
@@ -93,7 +99,7 @@ def test_i9_14_c46_anonymous_flask_login_user_falls_back_to_authorization(make_a
 
 def test_i9_14_c46_without_flask_login_a_refreshed_token_is_a_new_scope(make_app) -> None:
     """C46: the contract's default is kept: without a login manager, Authorization scopes."""
-    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    app, _ = make_app(WITH_SECRET)
     calls = _counted(app)
     assert _post(app, "token-before-refresh").status_code == 201
     assert REPLAYED not in _post(app, "token-after-refresh").headers
@@ -126,7 +132,7 @@ def test_i9_14_c46_one_warning_at_the_first_protected_request_without_a_loader(
 ) -> None:
     """C46: an app without a scope_loader says so once, naming the token-refresh risk."""
     caplog.set_level(logging.INFO, logger="flask_idempotency")
-    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    app, _ = make_app(WITH_SECRET)
     _counted(app)
     assert _scope_warnings(caplog) == []  # not at start-up: views may come later
     threads = [threading.Thread(target=_post, args=(app, f"t{i}", f"k{i}")) for i in range(8)]
@@ -140,7 +146,7 @@ def test_i9_14_c46_one_warning_at_the_first_protected_request_without_a_loader(
     message = warnings[0].getMessage()
     assert "Authorization" in message and "refresh" in message and "anonymous" in message
 
-    other, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    other, _ = make_app(WITH_SECRET)
     _counted(other)
     _post(other, None)
     assert len(_scope_warnings(caplog)) == 2, "one warning per app"
@@ -155,3 +161,109 @@ def test_i9_14_c46_no_warning_with_a_scope_loader(
     _counted(app)
     _post(app, None)
     assert _scope_warnings(caplog) == []
+
+
+# -- issue 26 item 5: the Authorization digest is keyed (C30, C46) ------------------------------
+
+#: A small wordlist, as the review used: the password is in it.
+WORDLIST = ["123456", "password", "letmein", "qwerty", "hunter2", "dragon", "iloveyou"]
+
+
+def _basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+def _stored_scopes(app: Flask) -> list[str]:
+    store = app.extensions["idempotency"].store
+    with store.autocommit.connect() as conn:
+        return list(conn.execute(select(store.table.c.scope)).scalars())
+
+
+def _post_with(app: Flask, authorization: str, key: str = "k1"):
+    headers = {"Idempotency-Key": key, "Authorization": authorization}
+    return app.test_client().post("/pay", json={"amount": 10}, headers=headers)
+
+
+def test_i26_5_c30_a_wordlist_does_not_recover_basic_auth_from_the_scope(make_app) -> None:
+    """C30: the scope column, ``show`` and every signal carry the scope; an unsalted
+    SHA-256 of ``Authorization`` gave a Basic-auth password to a small wordlist."""
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0, "SECRET_KEY": "server-side secret"})
+    _counted(app)
+    seen: list[str] = []
+    signals.request_executed.connect(
+        lambda sender, **extra: seen.append(extra["scope"]), app, weak=False
+    )
+    assert _post_with(app, _basic("alice", "hunter2")).status_code == 201
+    exposed = [*_stored_scopes(app), *seen]
+    assert len(exposed) == 2
+    for password in WORDLIST:
+        header = _basic("alice", password)
+        guesses = {
+            hashlib.sha256(header.encode("latin-1")).hexdigest(),
+            hashlib.sha256(header.split(" ", 1)[1].encode()).hexdigest(),
+        }
+        for scope in exposed:
+            assert not any(guess in scope for guess in guesses), password
+            assert header not in scope and password not in scope
+    assert all(scope.startswith("auth-hmac:") for scope in exposed)
+
+
+def test_i26_5_c30_the_digest_is_keyed_by_the_scope_secret_else_secret_key(make_app) -> None:
+    """C46: one header is one scope under one secret, another under another secret;
+    ``IDEMPOTENCY_SCOPE_SECRET`` wins over ``SECRET_KEY``, so rotating ``SECRET_KEY``
+    need not change the scopes."""
+    configs = {
+        "key-a": {"SECRET_KEY": "a"},
+        "key-a-again": {"SECRET_KEY": "a"},
+        "key-b": {"SECRET_KEY": "b"},
+        "scope-s-key-a": {"SECRET_KEY": "a", "IDEMPOTENCY_SCOPE_SECRET": "s"},
+        "scope-s-key-b": {"SECRET_KEY": b"b", "IDEMPOTENCY_SCOPE_SECRET": b"s"},
+        "scope-s-only": {"IDEMPOTENCY_SCOPE_SECRET": "s"},
+    }
+    scopes = {}
+    for name, config in configs.items():
+        app, _ = make_app(config)
+        _counted(app)
+        assert _post_with(app, "Bearer tok").status_code == 201
+        (scopes[name],) = _stored_scopes(app)
+    assert scopes["key-a"] == scopes["key-a-again"] != scopes["key-b"]
+    assert scopes["scope-s-key-a"] == scopes["scope-s-key-b"] == scopes["scope-s-only"]
+    assert scopes["scope-s-key-a"] != scopes["key-a"]
+    # RFC 2104 HMAC-SHA256 of the header under a key derived from the secret.
+    key = hmac.digest(b"s", b"flask-idempotency scope key v1", "sha256")
+    assert (
+        scopes["scope-s-only"] == "auth-hmac:" + hmac.new(key, b"Bearer tok", "sha256").hexdigest()
+    )
+
+
+def test_i26_5_c30_without_a_secret_the_authorization_scope_fails_loudly(make_app) -> None:
+    """No ``SECRET_KEY`` and no ``IDEMPOTENCY_SCOPE_SECRET``: a request that would be
+    scoped by its ``Authorization`` header is an error naming both, the view does not
+    run and nothing is stored; requests scoped otherwise are not affected."""
+    app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    calls = _counted(app)
+    with pytest.raises(RuntimeError, match=r"IDEMPOTENCY_SCOPE_SECRET.*SECRET_KEY"):
+        _post_with(app, "Bearer tok")
+    assert calls == [] and _stored_scopes(app) == []
+    assert _post(app, None, key="anonymous").status_code == 201  # no Authorization header
+    login_app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    _with_login(login_app)
+    _counted(login_app)
+    assert _post(login_app, "token-before-refresh").status_code == 201  # the user's scope
+    loader_app, ext = make_app({"IDEMPOTENCY_WAIT": 0})
+    ext.scope_loader(lambda: "tenant-1")
+    _counted(loader_app)
+    assert _post_with(loader_app, "Bearer tok").status_code == 201
+
+
+@pytest.mark.parametrize("value", ["", b"", 42, ["s"]])
+def test_i26_5_c56_a_bad_scope_secret_names_its_setting(make_app, value) -> None:
+    with pytest.raises(ValueError, match="IDEMPOTENCY_SCOPE_SECRET"):
+        make_app({"IDEMPOTENCY_SCOPE_SECRET": value})
+
+
+def test_i26_5_c30_the_scope_secret_is_never_in_the_settings_repr(make_app) -> None:
+    app, _ = make_app({"IDEMPOTENCY_SCOPE_SECRET": "do-not-print-me"})
+    settings = app.extensions["idempotency"].settings
+    assert settings.scope_secret == "do-not-print-me"
+    assert "do-not-print-me" not in repr(settings)

@@ -28,6 +28,7 @@ from flask_idempotency.fingerprint import (
 @pytest.fixture(scope="module")
 def fp_app() -> Flask:
     app = Flask("fingerprint_test")
+    app.config["SECRET_KEY"] = "fingerprint-tests"  # keys the Authorization scope
 
     @app.route("/pay", methods=["POST", "PATCH", "PUT"])
     def pay():
@@ -132,14 +133,16 @@ def test_c6_odd_json_bodies_fingerprint_without_error(fp_app, body: bytes) -> No
 # -- query, method, route ---------------------------------------------------------------------
 
 
-def test_c6_query_string_is_sorted(fp_app) -> None:
+def test_c6_query_string_is_sorted_by_name(fp_app) -> None:
     a = fp(fp_app, "/pay?a=1&b=2&c=3", json={})
     assert fp(fp_app, "/pay?c=3&b=2&a=1", json={}) == a
     assert fp(fp_app, "/pay?a=1&b=2&c=4", json={}) != a
     assert fp(fp_app, "/pay?a=1&b=2", json={}) != a
     assert fp(fp_app, "/pay?a=1&b=2&c=3&d=", json={}) != a
     assert fp(fp_app, "/pay", json={}) != fp(fp_app, "/pay?x=", json={})
-    assert fp(fp_app, "/pay?a=1&a=2", json={}) == fp(fp_app, "/pay?a=2&a=1", json={})
+    # A repeated name keeps the order of its values (issue 26 item 1).
+    assert fp(fp_app, "/pay?a=1&a=2", json={}) != fp(fp_app, "/pay?a=2&a=1", json={})
+    assert fp(fp_app, "/pay?a=1&b=0&a=2", json={}) == fp(fp_app, "/pay?b=0&a=1&a=2", json={})
 
 
 def test_c6_method_route_and_path_values_matter(fp_app) -> None:
@@ -223,6 +226,7 @@ def test_c5_default_scope_is_a_digest_of_authorization(fp_app) -> None:
         with fp_app.test_request_context("/pay", method="POST", headers={"Authorization": token}):
             scope = default_scope(request)
             assert token not in scope
+            assert scope != "auth:" + hashlib.sha256(token.encode()).hexdigest()  # keyed
             scopes.add(scope)
     assert len(scopes) == 2
 

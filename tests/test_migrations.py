@@ -49,13 +49,16 @@ def empty_pg_database() -> Iterator[str]:
         admin.dispose()
 
 
-def flask(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+def flask(
+    database_url: str, *args: str, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("IDEMPOTENCY_DATABASE_URI", "REDIS_URL", "IDEMPOTENCY_REDIS_URL", "FLASK_APP")
     }
     env["DATABASE_URL"] = database_url
+    env.update(env_extra or {})
     env["PYTHONPATH"] = str(REPO_ROOT)
     return subprocess.run(
         [str(FLASK), "--app", EXAMPLE, *args],
@@ -66,6 +69,16 @@ def flask(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
         timeout=120,
         check=False,
     )
+
+
+def store_ids(database_url: str) -> list[str]:
+    """The ids in the store's identity table (one row, C41)."""
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            return [str(i) for i in conn.scalars(text("SELECT id FROM idempotency_keys_store"))]
+    finally:
+        engine.dispose()
 
 
 def tables(database_url: str) -> set[str]:
@@ -91,7 +104,9 @@ def test_c29_upgrade_on_an_empty_database_creates_a_table_check_accepts(
 
     upgraded = flask(empty_pg_database, "db", "upgrade")
     assert upgraded.returncode == 0, upgraded.stderr
-    assert {"payments", "idempotency_keys", "alembic_version"} <= tables(empty_pg_database)
+    assert {"payments", "idempotency_keys", "idempotency_keys_store", "alembic_version"} <= tables(
+        empty_pg_database
+    )
 
     engine = create_engine(empty_pg_database)
     try:
@@ -142,7 +157,7 @@ def test_c29_autogenerate_sees_the_table_on_the_apps_metadata(empty_pg_database:
             diff = compare_metadata(MigrationContext.configure(conn), db.metadata)
         db.engine.dispose()
     added = {d[1].name for d in diff if isinstance(d, tuple) and d[0] == "add_table"}
-    assert added == {"payments", "idempotency_keys"}
+    assert added == {"payments", "idempotency_keys", "idempotency_keys_store"}
 
 
 @pytest.mark.postgres
@@ -150,10 +165,72 @@ def test_c29_downgrade_removes_the_table_and_check_notices(empty_pg_database: st
     assert flask(empty_pg_database, "db", "upgrade").returncode == 0
     downgraded = flask(empty_pg_database, "db", "downgrade", "base")
     assert downgraded.returncode == 0, downgraded.stderr
-    assert "idempotency_keys" not in tables(empty_pg_database)
+    assert not {"idempotency_keys", "idempotency_keys_store"} & tables(empty_pg_database)
     checked = flask(empty_pg_database, "idempotency", "check")
     assert checked.returncode == 1
     assert "does not exist" in checked.stderr
+
+
+#: The revision before the store's identity (issue 26 item 6): a deployment of the release
+#: before it has its database here.
+BEFORE_IDENTITY = "3c1d2e7a9b40"
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_i26_6_c41_upgrading_an_existing_deployment_writes_its_identity(
+    empty_pg_database: str,
+) -> None:
+    """A database migrated by the release before has no identity: with a Redis tier, `check`
+    fails and names the command; `flask db upgrade` (the new revision) writes the identity,
+    drawn by the database, and `check` then shows it and the Redis origin it gives."""
+    import redis
+
+    from .conftest import REDIS_URL
+
+    probe = redis.Redis.from_url(REDIS_URL, socket_timeout=1, socket_connect_timeout=1)
+    try:
+        probe.ping()
+    except redis.RedisError as exc:
+        service_missing("Redis", str(exc))
+    finally:
+        probe.close()
+    with_redis = {
+        "REDIS_URL": REDIS_URL,
+        "FLASK_IDEMPOTENCY_REDIS_PREFIX": f"test-migr-{uuid.uuid4().hex[:8]}",
+    }
+    assert flask(empty_pg_database, "db", "upgrade", BEFORE_IDENTITY).returncode == 0
+    assert "idempotency_keys_store" not in tables(empty_pg_database)
+    without_redis = flask(empty_pg_database, "idempotency", "check")
+    assert without_redis.returncode == 0, without_redis.stderr  # needed only by a Redis tier
+    assert "warning: the table 'idempotency_keys_store'" in without_redis.stderr
+    before = flask(empty_pg_database, "idempotency", "check", env_extra=with_redis)
+    assert before.returncode == 1, before.stdout + before.stderr
+    assert "idempotency_keys_store" in before.stderr and "flask db upgrade" in before.stderr
+    assert "Traceback" not in before.stderr
+
+    upgraded = flask(empty_pg_database, "db", "upgrade")
+    assert upgraded.returncode == 0, upgraded.stderr
+    (store_id,) = store_ids(empty_pg_database)
+    checked = flask(empty_pg_database, "idempotency", "check", env_extra=with_redis)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"the store's identity {store_id}" in checked.stdout
+    assert "origin: " in checked.stdout
+    assert flask(empty_pg_database, "db", "check").returncode == 0
+
+
+@pytest.mark.postgres
+def test_i26_6_c41_an_upgrade_script_draws_each_databases_id_in_that_database(
+    empty_pg_database: str,
+) -> None:
+    """`flask db upgrade --sql` writes one script a DBA may run on several databases: the id
+    in it is the database's own random draw, never a literal every copy would share."""
+    script = flask(empty_pg_database, "db", "upgrade", "--sql")
+    assert script.returncode == 0, script.stderr
+    (insert,) = [
+        line for line in script.stdout.splitlines() if "INSERT INTO idempotency_keys_store" in line
+    ]
+    assert "md5(random()" in insert
 
 
 def test_c29_the_migration_also_runs_on_sqlite(tmp_path: Path) -> None:
@@ -162,6 +239,11 @@ def test_c29_the_migration_also_runs_on_sqlite(tmp_path: Path) -> None:
     checked = flask(url, "idempotency", "check")
     assert checked.returncode == 0, checked.stderr
     assert flask(url, "db", "check").returncode == 0
+    (store_id,) = store_ids(url)
+    assert len(store_id) == 32 and int(store_id, 16) >= 0
+    other = f"sqlite:///{tmp_path}/other.sqlite3"  # another database, the same migration
+    assert flask(other, "db", "upgrade").returncode == 0
+    assert store_ids(other) != [store_id]
 
 
 @pytest.fixture
@@ -214,6 +296,7 @@ def test_i16_c29_the_migration_runs_on_mariadb_with_longblob_bodies_and_utf8mb4(
     finally:
         engine.dispose()
     assert column_type == "longblob" and charset.startswith("utf8mb4")
+    assert len(store_ids(url)) == 1
     downgraded = flask(url, "db", "downgrade", "base")
     assert downgraded.returncode == 0, downgraded.stderr
-    assert "idempotency_keys" not in tables(url)
+    assert not {"idempotency_keys", "idempotency_keys_store"} & tables(url)

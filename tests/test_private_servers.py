@@ -5,12 +5,15 @@ A test that needs a server setting of its own starts a private PostgreSQL or Mar
 directory, port and process, never root, stopped by process id. These tests show each
 one is what it says (its port, its directory, its zone, its user), survives a crash
 with its data, stops, and leaves the machine's own server exactly as it was: same
-process, never restarted.
+process, never restarted. ``make test`` itself never reconfigures or restarts them
+either (tools/system-deps.sh).
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,8 @@ from tests.support.mariadb_server import MariaDBServer, mariadb_binaries
 from tests.support.postgres_server import PostgresServer, postgres_bindir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _uid_of(pid: int) -> int:
@@ -163,3 +168,28 @@ def test_i23_private_mariadb_is_its_own_server_in_its_zone_and_stops(tmp_path: P
     finally:
         server.stop()
     assert _same_started_at(machine_before, _machine_mariadb()), "the machine's MariaDB changed"
+
+
+# -- make test leaves the machine's servers alone ------------------------------------------
+
+#: What would reconfigure or restart a server that is not the suite's own.
+RECONFIGURES: dict[str, Callable[[str], bool]] = {
+    "ALTER SYSTEM": lambda s: "ALTER SYSTEM" in s.upper(),
+    "SET GLOBAL": lambda s: "SET GLOBAL" in s.upper(),
+    "CONFIG SET / CONFIG REWRITE": lambda s: bool(re.search(r"CONFIG\s+(SET|REWRITE)", s, re.I)),
+    "a restart, reload or stop": lambda s: bool(
+        re.search(r"\brestart\b|\breload\b|--stop\b|\bshutdown\b", s, re.I)
+    ),
+    "a write under /etc": lambda s: bool(re.search(r"(>|\btee\b.*)\s*/etc/", s)),
+}
+
+
+def test_i23_system_deps_never_reconfigures_or_restarts_a_machine_server() -> None:
+    """tools/system-deps.sh (run by ``make test``) may install packages and start the
+    machine's MariaDB or Redis when they are down; it never changes a setting of, or
+    restarts, a server that is up (the old ``ALTER SYSTEM SET max_connections`` and
+    cluster restart did, on a developer's own database)."""
+    script = (ROOT / "tools" / "system-deps.sh").read_text()
+    code = "\n".join(line for line in script.splitlines() if not line.lstrip().startswith("#"))
+    found = [name for name, present in RECONFIGURES.items() if present(code)]
+    assert not found, f"tools/system-deps.sh: {found}"

@@ -23,18 +23,23 @@ from flask_idempotency.records import Claim, Identity, Record, StoredResponse
 from flask_idempotency.store import DurableStore, StoreError, StoreMisconfigured
 from flask_idempotency.store.direct import DirectStatements
 
-from .conftest import driver_url
+from .conftest import PG_DRIVERS, driver_url
 from .test_lifecycle import KEY, REPLAYED
 
 pytestmark = pytest.mark.postgres
 
 
-@pytest.fixture
-def store(pg_url: URL) -> Iterator[DurableStore]:
-    url = driver_url(pg_url, "psycopg2")
+@pytest.fixture(params=PG_DRIVERS, ids=("psycopg2", "psycopg3"))
+def store(pg_url: URL, request: pytest.FixtureRequest) -> Iterator[DurableStore]:
+    """A store on the direct path of each driver (psycopg 3 as the extension's own engine
+    makes it: no preparation by psycopg itself, ``prepare_threshold=None``)."""
+    url = driver_url(pg_url, request.param)
     name = f"idem_direct_{uuid.uuid4().hex[:10]}"
+    args: dict[str, Any] = {"application_name": name}
+    if request.param == "psycopg":
+        args["prepare_threshold"] = None
     made = DurableStore(
-        lambda: create_engine(url, pool_size=3, connect_args={"application_name": name}),
+        lambda: create_engine(url, pool_size=3, connect_args=args),
         table_name=name,
         create_table=True,
     )
@@ -220,7 +225,9 @@ def test_i11_statements_are_prepared_once_per_connection(store, runs) -> None:
     assert isinstance(store.acquire(ident, ttl=60, lease=30), Record)
     assert store.get(ident.key_digest) is not None
     names = server_prepared(store)
-    assert len([n for n in names if n.startswith("flask_idempotency_")]) == 3, names
+    # psycopg2: named by a hash of their SQL; psycopg 3: psycopg's own names.
+    prefix = "flask_idempotency_" if store.engine.dialect.driver == "psycopg2" else "_pg3_"
+    assert len([n for n in names if n.startswith(prefix)]) == 3, names
     direct = store._direct()
     assert direct is not None and direct.prepare
 
@@ -237,7 +244,11 @@ def test_i11_statements_gone_from_the_server_connection_fall_back_to_plain_sql(
     pool = store._single()
     assert pool is not None
     conn = pool.raw_connection()
-    conn.cursor().execute("DEALLOCATE ALL")
+    cursor = conn.cursor()
+    # By name: psycopg 3 notices a DEALLOCATE ALL and forgets its statements itself.
+    cursor.execute("SELECT name FROM pg_prepared_statements")
+    for (name,) in cursor.fetchall():
+        cursor.execute(f'DEALLOCATE "{name}"')
     conn.close()
     with caplog.at_level("INFO", logger="flask_idempotency"):
         assert store.complete(claim, RESPONSE) == claim.expires_at_ms
@@ -287,6 +298,7 @@ def test_i11_c26_pooled_connection_closed_on_the_client_is_invalidated_and_retri
 AWKWARD_TEXT = ["", "plain", "o'brien", "back\\slash", "%(p_scope)s", "100%", "é ü €", "tab\there"]
 
 
+@pytest.mark.parametrize("store", ["psycopg2"], indirect=True)  # its literal writer
 def test_i11_literals_are_written_exactly_as_psycopg2_writes_them(store) -> None:
     """The direct path writes its parameters into the statement itself: byte for byte
     what psycopg2's own quoting writes, for every kind of value the store sends."""
@@ -305,6 +317,7 @@ def test_i11_literals_are_written_exactly_as_psycopg2_writes_them(store) -> None
         conn.close()
 
 
+@pytest.mark.parametrize("store", ["psycopg2"], indirect=True)  # its literal writer
 def test_i11_statements_are_written_exactly_as_psycopg2_writes_them(store) -> None:
     """Each run of a statement writes its values into it in one step when they are plain
     text and non-negative integers of their columns' types, else value by value: either
@@ -404,7 +417,7 @@ def test_i11_a_sqlalchemy_without_the_pool_entry_api_takes_the_ordinary_checkout
 ) -> None:
     """The lean checkout calls private pool methods; on a SQLAlchemy where they are not
     what it expects (checked once, at import), every statement takes ``pool.connect()``."""
-    from flask_idempotency._wire import psycopg2 as store_direct
+    from flask_idempotency._wire import sqla_pool as store_direct
 
     pool = store._single()
     assert pool is not None
@@ -501,7 +514,7 @@ def test_i11_c14_c20_release_runs_on_the_direct_path_fenced_by_the_token(store, 
 def test_i11_a_kept_cursor_never_keeps_a_large_stored_body_alive(store, runs) -> None:
     """Each pooled connection keeps one cursor for its next statement, and a cursor holds
     its last result: a replay of a large body lets that cursor go with it."""
-    from flask_idempotency._wire.psycopg2 import _CURSOR, _KEPT_RESULT_BYTES
+    from flask_idempotency._wire.sqla_pool import _CURSOR, _KEPT_RESULT_BYTES
 
     pool = store._single()
     assert pool is not None

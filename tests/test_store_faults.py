@@ -4,7 +4,8 @@ CONTRACT C8, C13, C14, C20.
 
 A loopback proxy forwards the message that commits a write, lets the server
 apply and answer it, then drops the answer and the connection: a COMMIT, or with
-psycopg2, whose request-path statements each commit by themselves (autocommit),
+psycopg2 and psycopg 3, whose request-path statements each commit by themselves
+(autocommit),
 the statement itself. The store retries on a fresh connection
 with the same lock token; each of its writes must recognise that it was already
 applied: the claim is ours (no waiting for ourselves), the completion and the
@@ -44,11 +45,12 @@ class Proxied:
     def marker(self, app: Any, statement: bytes) -> tuple[bytes, int]:
         """What to cut after, and how many earlier commits to let through, so that
         ``statement`` is applied with its answer lost: with psycopg2 the request
-        path's statements each commit by themselves (autocommit), so the statement
+        path's statements each commit by themselves (autocommit; psycopg 3 too since
+        issue 21, its first run on a connection in one round trip), so the statement
         itself and no earlier claim COMMIT; elsewhere its transaction's COMMIT, the
         claim's being the first."""
         store = app.extensions["idempotency"].store
-        if store.engine.dialect.driver == "psycopg2":
+        if store.engine.dialect.driver in ("psycopg2", "psycopg"):
             return statement, 0
         return self.commit, 1
 

@@ -50,7 +50,7 @@ def _default(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, frozenset):
-        return ", ".join(sorted(value))
+        return ", ".join(sorted(value)) or "none"
     if isinstance(value, str):
         return repr(value)
     return str(value)

@@ -15,7 +15,7 @@ import logging
 from flask import Response
 
 from .. import signals
-from ..config import TRANSIENT_STATUSES
+from ..config import CALLER_STATUSES, TRANSIENT_STATUSES
 from ..records import Completed, StoredResponse
 from ..responses import capture
 from ..store import StoreError
@@ -34,6 +34,8 @@ def release_reason(own: Ownership, status: int) -> str | None:
         return "exception"
     if status in TRANSIENT_STATUSES:
         return "transient-status"
+    if status in CALLER_STATUSES:
+        return "caller-status"  # 401/403 answer who asks, not what was done (C16)
     if status >= 500 and not own.options.store_server_errors:
         return "server-error"
     return None
@@ -43,10 +45,14 @@ def store(own: Ownership, response: Response) -> Response:
     """Complete the record with ``response``; the answer the client gets (C14, C23, C55)."""
     state = own.state
     try:
+        # A streamed body is drained here, with the lease still renewed: a slow stream
+        # must not let a retry take the key over while it is read (C44).
         stored = capture(response, state.settings)
     except Exception:
+        own.stop_heartbeat()
         release(own, "exception", response.status_code)  # a stream that failed mid-buffer
         raise
+    own.stop_heartbeat()  # the completion is fenced; a renewal must not race it
     try:
         expires_at_ms = state.store.complete(own.claim, stored)
     except StoreError as exc:
@@ -73,6 +79,8 @@ def completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> Non
     own.state.announce_completed(
         own.ident.key_digest, Completed(own.ident.fingerprint, expires_at_ms, stored)
     )
+    if stored.body_omitted:
+        own.state.stored_without_body(own.route)
     if signals.response_stored.receivers:
         own.emit(signals.response_stored, status=stored.status, body_omitted=stored.body_omitted)
 

@@ -30,14 +30,16 @@ def run_view(
 
 def settle(own: Ownership, response: Response) -> Response:
     """Store the owner's answer, or release its claim (C15–C19); the response goes on."""
-    own.stop_heartbeat()  # also after a transactional view settled itself
-    if own.settled:
+    if own.settled:  # a transactional view settled itself
+        own.stop_heartbeat()
         return response
     own.settled = True
     reason = plain.release_reason(own, response.status_code)
     if reason is not None:
+        own.stop_heartbeat()
         plain.release(own, reason, response.status_code)
         return response
+    # Storing stops the heartbeat itself, once a streamed body has been read (C44).
     if own.options.atomic:
         return transactional.store(own, response)
     return plain.store(own, response)

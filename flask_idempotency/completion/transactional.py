@@ -57,7 +57,6 @@ def run(
             if release_reason(own, response.status_code) is not None:
                 return response  # settling releases it, rolling the writes back
             own.settled = True
-            own.hold_heartbeat()
             return store(own, response, retry=True)
         except Exception as exc:
             sqlstate = unit.retryable_sqlstate(exc)
@@ -84,10 +83,12 @@ def store(own: Ownership, response: Response, *, retry: bool = False) -> Respons
     """
     state = own.state
     try:
-        stored = capture(response, state.settings)
+        stored = capture(response, state.settings)  # a stream is read with the lease renewed
     except Exception:
+        own.stop_heartbeat()
         release(own, "exception", response.status_code)  # a stream that failed mid-buffer
         raise
+    own.hold_heartbeat()  # a renewal under way must not race the commit
     if own.unit is None:
         own.unit = unit.Unit(state.require_db(), state.store, own.claim, own.options.isolation)
     try:

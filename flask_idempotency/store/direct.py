@@ -1,13 +1,15 @@
-"""The direct path: the request path's statements on a pooled psycopg2 connection, without
-SQLAlchemy's execution layer (issue 11), and when it is taken.
+"""The direct path: the request path's statements on a pooled psycopg2 or psycopg 3
+connection, without SQLAlchemy's execution layer (issues 11, 21), and when it is taken.
 
 CONTRACT C8, C14, C26.
 
-How a statement is written and sent is :mod:`flask_idempotency._wire.psycopg2`
-(hand-written, touching private library APIs it lists). Here is the switch:
+How a statement is sent is :mod:`flask_idempotency._wire.psycopg2` (hand-written
+literals, touching private library APIs it lists) or :mod:`flask_idempotency._wire.psycopg`
+(psycopg 3's own cursor, binding and preparation), both on the pool checkout of
+:mod:`flask_idempotency._wire.sqla_pool`. Here is the switch:
 
 * Used only where nothing else could observe the difference: the store's own
-  autocommit pool (PostgreSQL with psycopg2), whose engine has no
+  autocommit pool (PostgreSQL with either driver), whose engine has no
   ``before/after_cursor_execute`` or ``handle_error`` listeners (an app's
   instrumentation on every ``Engine`` keeps the ordinary path, :meth:`usable`).
   Every other driver and mode runs through SQLAlchemy.
@@ -25,11 +27,16 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
-from .._wire.psycopg2 import DirectSQL, PooledCursors, fetchone, no_listeners
+from .._wire import psycopg as wire_psycopg
+from .._wire import psycopg2 as wire_psycopg2
+from .._wire.sqla_pool import PooledCursors, no_listeners, sqlstate
 from ..records import RECORD_COLUMNS
 from .dialects import of
 
 T = TypeVar("T")
+
+#: A statement compiled for the direct path of either driver.
+DirectSQL = wire_psycopg2.DirectSQL | wire_psycopg.PsycopgSQL
 
 log = logging.getLogger("flask_idempotency")
 
@@ -38,14 +45,26 @@ log = logging.getLogger("flask_idempotency")
 _NOT_ONE_SERVER_CONNECTION = frozenset({"26000", "42P05"})
 
 
+def supported(engine: Engine) -> bool:
+    """Whether the direct path can run on ``engine``'s driver."""
+    driver = engine.dialect.driver
+    return driver == "psycopg2" or (driver == "psycopg" and wire_psycopg.USABLE)
+
+
 class DirectStatements:
-    """Run work on a cursor of a pooled DBAPI connection of ``engine`` (psycopg2, autocommit)."""
+    """Run work on a cursor of a pooled DBAPI connection of ``engine`` (psycopg2 or
+    psycopg 3, autocommit; :func:`supported`)."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine  # its pool is replaced when a forked child disposes it
         self._dialect = engine.dialect
+        self._psycopg3 = engine.dialect.driver == "psycopg"
+        self._fetchone = wire_psycopg.fetchone if self._psycopg3 else wire_psycopg2.fetchone
         self._cursors = PooledCursors(engine)
-        prefix = of(engine).async_claim_prefix(engine.dialect.driver)
+        # psycopg 3 sends the asynchronous claim as one simple query (its ClientCursor),
+        # as psycopg2 does: the prefix is the one for a driver that can.
+        sender = "psycopg2" if self._psycopg3 else self._dialect.driver
+        prefix = of(engine).async_claim_prefix(sender)
         #: Put before the claim for ``IDEMPOTENCY_ASYNC_CLAIM`` (see :mod:`.dialects`).
         self.async_claim_prefix = "" if prefix is None else prefix
         #: Prepare statements on the server; off for good once a pooler is seen.
@@ -64,9 +83,10 @@ class DirectStatements:
     ) -> DirectSQL:
         """``statement`` compiled for the direct path (``prefix``: SQL run before it;
         ``body_at``: the result column of a stored body)."""
-        return DirectSQL(
-            statement.compile(dialect=self._dialect), self._dialect, record_values, prefix, body_at
-        )
+        compiled = statement.compile(dialect=self._dialect)
+        if self._psycopg3:
+            return wire_psycopg.PsycopgSQL(compiled, record_values, prefix, body_at)
+        return wire_psycopg2.DirectSQL(compiled, self._dialect, record_values, prefix, body_at)
 
     def compile_for_store(self, statement: Any, prefix: str = "") -> DirectSQL:
         """:meth:`compile`, told where the statement's result holds a record's columns
@@ -82,7 +102,7 @@ class DirectStatements:
     ) -> Any:
         """Run ``statement`` on ``cursor`` (in :meth:`run`'s ``work``, with its connection's
         ``info``); its first row. Prepared on the server unless a pooler was seen."""
-        return fetchone(cursor, info, statement, params, self.prepare)
+        return self._fetchone(cursor, info, statement, params, self.prepare)  # type: ignore[arg-type]
 
     def run(self, sql: str, work: Callable[[Any, dict[str, Any]], T]) -> T:
         """``work(cursor, info)`` on one pooled connection (``info``: the pool's dictionary
@@ -93,7 +113,7 @@ class DirectStatements:
         try:
             return self._cursors.run(sql, work)
         except DBAPIError as exc:
-            if getattr(exc.orig, "pgcode", None) not in _NOT_ONE_SERVER_CONNECTION:
+            if sqlstate(exc.orig) not in _NOT_ONE_SERVER_CONNECTION:
                 raise  # those two only ever come from our PREPARE or EXECUTE
         # The statement did not run: its connection's prepared statements are not on
         # the server connection it reached (PgBouncer in transaction mode).

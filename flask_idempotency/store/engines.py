@@ -30,10 +30,9 @@ from sqlalchemy import Connection, Engine, Table, create_engine, inspect
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from .. import process
-from .._wire.psycopg2 import DirectSQL
 from .deadline import STATEMENT_DEADLINE, Deadline, watchdog
 from .dialects import is_lock_unavailable, is_retryable, of
-from .direct import DirectStatements
+from .direct import DirectSQL, DirectStatements, supported
 from .errors import (
     StoreError,
     StoreMisconfigured,
@@ -63,7 +62,7 @@ class StoreEngines:
         self._engines: tuple[Engine, Engine, Engine | None] | None = None
         self._single_slot: dict[str, tuple[Engine | None]] = {}
         self._direct_runner: DirectStatements | None = None
-        #: The direct path's statements as psycopg2 SQL, by name (:meth:`_direct_sql`).
+        #: The direct path's statements as the driver's SQL, by name (:meth:`_direct_sql`).
         self._direct_cache: dict[str, DirectSQL] = {}
         self._setup_lock = process.lazy_lock()
         #: Seconds each statement may wait for its answer (:mod:`.deadline`); 0: no limit.
@@ -112,7 +111,7 @@ class StoreEngines:
                 self._create_if_missing(single or engine)
             except SQLAlchemyError as exc:
                 raise StoreError(f"could not create the table: {describe(exc)}") from exc
-        if single is not None and "%" not in self.table.fullname:
+        if single is not None and "%" not in self.table.fullname and supported(single):
             # (A literal % in the table name would read as a placeholder in its SQL.)
             self._direct_runner = DirectStatements(single)
         return engine, engine.execution_options(isolation_level="AUTOCOMMIT"), single

@@ -1,4 +1,5 @@
-"""Operator work on the records table: prune, stats, look-up, forget, schema check (C28–C29).
+"""Operator work on the records table: prune, stats, look-up, forget, schema check (C28–C29),
+and the store's identity (:mod:`.identity`, C41).
 
 Kept apart from :mod:`.sql` because none of it is on the request path: these
 statements may scan, run in longer transactions, and must never create the
@@ -33,6 +34,7 @@ from ..records import COMPLETED, IN_PROGRESS
 from .clock import db_now_ms
 from .dialects import named
 from .errors import describe
+from .identity import StoreIdentity, read_identity
 from .sql import DurableStore
 
 T = TypeVar("T")
@@ -112,12 +114,25 @@ class SchemaReport:
         return self.exists and not self.errors
 
 
+@dataclasses.dataclass(frozen=True)
+class IdentityReport:
+    """The identity table (``<table>_store``) as ``check`` finds it: there or not, its
+    differences from the definition, and its row (``None``: not written yet)."""
+
+    table: str
+    exists: bool
+    errors: tuple[str, ...]
+    warnings: tuple[str, ...]
+    identity: StoreIdentity | None
+
+
 class Maintenance:
     """Maintenance statements for one app's records table."""
 
     def __init__(self, store: DurableStore) -> None:
         self.store = store
         self.table: Table = store.table
+        self.identity_table: Table = store.identity_table
 
     # -- connections -------------------------------------------------------------------
 
@@ -144,6 +159,10 @@ class Maintenance:
         return self._run(
             lambda conn: inspect(conn).has_table(self.table.name, schema=self.table.schema)
         )
+
+    def identity_table_exists(self) -> bool:
+        t = self.identity_table
+        return self._run(lambda conn: inspect(conn).has_table(t.name, schema=t.schema))
 
     def require_table(self) -> None:
         if not self.table_exists():
@@ -298,17 +317,28 @@ class Maintenance:
     # -- schema ---------------------------------------------------------------------------
 
     def create_table(self) -> None:
-        """Create the table and its index; only ever on the operator's explicit request."""
-        self._run(lambda conn: self.table.create(conn, checkfirst=True))
+        """Create the table, its index and its identity (``<table>_store`` and its row),
+        whichever is missing; only ever on the operator's explicit request."""
+
+        def create(conn: Connection) -> None:
+            self.table.create(conn, checkfirst=True)
+            self.identity_table.create(conn, checkfirst=True)  # writes the id (identity.py)
+
+        self._run(create)
 
     def create_ddl(self) -> str:
-        """The ``CREATE TABLE`` and ``CREATE INDEX`` statements for this database."""
+        """The ``CREATE TABLE`` and ``CREATE INDEX`` statements for this database.
+
+        The identity's row is not among them: one script run on two databases would give
+        both the same id. The first process that uses Redis writes it (:mod:`.identity`).
+        """
         dialect = self.engine.dialect
         statements = [str(CreateTable(self.table).compile(dialect=dialect)).strip()]
         statements += [
             str(CreateIndex(index).compile(dialect=dialect)).strip()
             for index in sorted(self.table.indexes, key=lambda i: i.name or "")
         ]
+        statements.append(str(CreateTable(self.identity_table).compile(dialect=dialect)).strip())
         return ";\n\n".join(statements) + ";"
 
     def check_schema(self) -> SchemaReport:
@@ -338,6 +368,20 @@ class Maintenance:
                 " prune has to scan the whole table"
             )
         return SchemaReport(t.name, True, tuple(errors), tuple(warnings))
+
+    def check_identity(self) -> IdentityReport:
+        """The identity table: there, as the code defines it, and its row (read only:
+        ``check`` never writes the row, the first process that uses Redis does)."""
+        return self._run(self._check_identity)
+
+    def _check_identity(self, conn: Connection) -> IdentityReport:
+        t = self.identity_table
+        if not inspect(conn).has_table(t.name, schema=t.schema):
+            return IdentityReport(t.name, False, (), (), None)
+        warnings: list[str] = []
+        errors = _column_differences(conn, t, warnings)
+        identity = None if errors else read_identity(conn, t)
+        return IdentityReport(t.name, True, tuple(errors), tuple(warnings), identity)
 
 
 def _column_differences(conn: Connection, table: Table, warnings: list[str]) -> list[str]:

@@ -16,12 +16,14 @@ is fenced by its lock token (:mod:`.statements`).
 from __future__ import annotations
 
 import functools
+import logging
 import operator
+import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Connection, Engine, MetaData, Table, select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Connection, Engine, MetaData, Table, inspect, select
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from ..records import (
     COMPLETED,
@@ -36,7 +38,16 @@ from ..records import (
 from .dialects import named, of
 from .direct import DirectStatements
 from .engines import ATTEMPTS, StoreEngines, timed_out, watched
-from .errors import StoreError, describe, is_read_only
+from .errors import StoreError, StoreMisconfigured, describe, is_read_only
+from .identity import (
+    IdentityMissing,
+    IdentityUnavailable,
+    StoreIdentity,
+    identity_table,
+    missing_help,
+    read_identity,
+    write_statement,
+)
 from .statements import (
     applied_expiry,
     bound_completion,
@@ -56,6 +67,13 @@ from .statements import (
 )
 from .table import idempotency_table
 
+log = logging.getLogger("flask_idempotency")
+
+#: Seconds an identity that could not be read is not asked for again: the Redis tier
+#: asks on every use while it has none, and the answer is a round trip (or a timeout).
+IDENTITY_RETRY_MISSING = 5.0
+IDENTITY_RETRY_UNAVAILABLE = 1.0
+
 
 class DurableStore(StoreEngines):
     """SQLAlchemy Core access to the records table, on PostgreSQL, MySQL/MariaDB or SQLite."""
@@ -69,8 +87,15 @@ class DurableStore(StoreEngines):
         create_table: bool = False,
         async_claim: bool = False,
     ) -> None:
-        table: Table = idempotency_table(metadata or MetaData(), table_name)
+        own = metadata or MetaData()
+        table: Table = idempotency_table(own, table_name)
         super().__init__(engine_factory, table, create_table)
+        #: The store's identity (one row), which names its records in Redis (C41).
+        self.identity_table: Table = identity_table(own, table_name)
+        #: The table is on the app's metadata (``db=``): its migrations create it.
+        self.on_app_metadata = metadata is not None
+        self._identity: StoreIdentity | None = None
+        self._identity_failure: tuple[float, StoreError] | None = None
         #: Commit the claim without waiting for the WAL flush (``IDEMPOTENCY_ASYNC_CLAIM``).
         self.async_claim = async_claim
         self._verified = False
@@ -84,8 +109,86 @@ class DurableStore(StoreEngines):
         self._at_once_stmt: Any = None
 
     def create_table(self) -> None:
-        """Create the table if it is missing (tests, and the embedded SQLite default)."""
+        """Create the table and its identity if missing (tests, the embedded SQLite default)."""
         self.table.create(self.engine, checkfirst=True)
+        self.identity_table.create(self.engine, checkfirst=True)  # writes the id (identity.py)
+
+    def _create_if_missing(self, engine: Engine) -> None:
+        """The set-up's step (``IDEMPOTENCY_CREATE_TABLE``): the table, then its identity."""
+        super()._create_if_missing(engine)
+        try:
+            self.identity_table.create(engine, checkfirst=True)
+        except SQLAlchemyError:
+            table = self.identity_table
+            if not inspect(engine).has_table(table.name, schema=table.schema):
+                raise
+
+    # -- identity -------------------------------------------------------------------
+
+    def identity(self) -> StoreIdentity:
+        """This store's identity, read from its database once per process (C41).
+
+        The first call reads the row of ``<table>_store``, writing it first if the table
+        is empty (racing writers agree: :mod:`.identity`). Raises
+        :class:`.identity.IdentityMissing` when the table is not there (logged at ERROR,
+        with the command that fixes it) and :class:`.identity.IdentityUnavailable` when
+        the database does not answer; for a few seconds after either, the same error is
+        raised again without asking the database.
+        """
+        known = self._identity
+        if known is not None:
+            return known
+        failure = self._identity_failure
+        if failure is not None and time.monotonic() < failure[0]:
+            raise type(failure[1])(str(failure[1]))
+        try:
+            found = self._read_or_write_identity()
+        except StoreMisconfigured as exc:
+            error: StoreError = IdentityMissing(
+                missing_help(
+                    self.table.name,
+                    migrations=self.on_app_metadata,
+                    cause=describe(exc.__cause__ or exc),
+                )
+            )
+            if self._identity_failure is None or not isinstance(
+                self._identity_failure[1], IdentityMissing
+            ):
+                log.error("idempotency: %s", error)
+            self._identity_failure = (time.monotonic() + IDENTITY_RETRY_MISSING, error)
+            raise error from exc
+        except StoreError as exc:
+            error = IdentityUnavailable(
+                f"could not read this store's identity from {self.identity_table.name!r}: {exc}"
+            )
+            self._identity_failure = (time.monotonic() + IDENTITY_RETRY_UNAVAILABLE, error)
+            raise error from exc
+        self._identity, self._identity_failure = found, None
+        log.info(
+            "idempotency: store %r is %s (from %r)",
+            self.table.name,
+            found.id[:12],
+            self.identity_table.name,
+        )
+        return found
+
+    def _read_or_write_identity(self) -> StoreIdentity:
+        table = self.identity_table
+
+        def read(conn: Connection) -> StoreIdentity | None:
+            return read_identity(conn, table)
+
+        found = self._run(read)
+        if found is None:  # an empty table (an autogenerated migration): write the one row
+            try:
+                self._run(lambda conn: conn.execute(write_statement(table)))
+            except StoreError as exc:
+                if not isinstance(exc.__cause__, IntegrityError):
+                    raise  # (another process wrote it first: read theirs)
+            found = self._run(read)
+        if found is None:  # pragma: no cover - deleted again between the two statements
+            raise StoreError(f"the row of {table.name!r} vanished while it was being written")
+        return found
 
     def verify_table(self) -> None:
         """Read every column once per process before the first claim, so that a missing
@@ -112,6 +215,17 @@ class DurableStore(StoreEngines):
         would queue behind that commit; guarded, it gives up after a moment and
         reads the record instead, so the duplicate parks or answers 409.
         """
+        try:
+            return self._acquire(ident, ttl, lease, guard_locks)
+        except UnicodeEncodeError:
+            # The connection's client encoding cannot carry the scope or the path (a
+            # LATIN1 database, say). They are informational columns (the record is named
+            # by the digest), so they are stored escaped instead (issue 22.6).
+            return self._acquire(ident.in_ascii(), ttl, lease, guard_locks)
+
+    def _acquire(
+        self, ident: Identity, ttl: float, lease: float, guard_locks: bool
+    ) -> Claim | Record:
         if not self._verified:
             self.verify_table()
         ttl_ms, lease_ms = int(ttl * 1000), int(lease * 1000)
@@ -157,6 +271,12 @@ class DurableStore(StoreEngines):
                 return self._claim_or_read_direct(direct, ident, token, ttl_ms, lease_ms)
             # A literal % in the table name would read as a placeholder in the driver's SQL.
             single = None if "%" in self.table.fullname else self._single()
+            if (
+                single is not None
+                and self.async_claim
+                and of(single).async_claim_prefix(single.dialect.driver) is None
+            ):
+                single = None  # psycopg 3 through SQLAlchemy: the setting needs a transaction
             if single is not None:
                 return self._run(
                     functools.partial(

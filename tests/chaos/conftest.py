@@ -215,6 +215,7 @@ class ChaosRig:
         for table in (self.runs, self.claims):
             table.drop(self.ledger, checkfirst=True)
         self.store.table.drop(self.engine, checkfirst=True)
+        self.store.identity_table.drop(self.engine, checkfirst=True)
         self.ledger.dispose()
         self.engine.dispose()
 

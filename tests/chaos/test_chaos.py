@@ -339,7 +339,7 @@ def test_redis_killed_flushed_restarted_under_load_changes_no_outcome(
     warm = [f"warm-{i}" for i in range(20)]
     for key in warm:
         assert log.add(send(server.url, key, body_for(key))).status == 201
-    tier = RedisTier(rig.inspector, origin=store_origin(rig.proxied_store_url, rig.table))
+    tier = RedisTier(rig.inspector, origin=store_origin(rig.store.identity().id, rig.table))
     wait_until(
         lambda: rig.inspector.exists(tier.record_name(digest(warm[-1]))) == 1, "promotion to Redis"
     )
@@ -386,7 +386,7 @@ def assert_redis_back_in_use(
     """C23/C24: once Redis is back (after its outage back-off), a replay promotes the
     record again."""
     name = RedisTier(
-        rig.inspector, origin=store_origin(rig.proxied_store_url, rig.table)
+        rig.inspector, origin=store_origin(rig.store.identity().id, rig.table)
     ).record_name(digest(key))
     deadline = time.monotonic() + EVENTUALLY
     while rig.inspector.exists(name) == 0:
@@ -425,7 +425,7 @@ def test_database_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
     # A generous Redis timeout: this scenario breaks the database, not Redis.
     server = rig.serve(IDEM_WAIT=2, IDEM_LEASE=lease, IDEM_REDIS_TIMEOUT=2.0)
     log = AnswerLog()
-    tier = RedisTier(rig.inspector, origin=store_origin(rig.proxied_store_url, rig.table))
+    tier = RedisTier(rig.inspector, origin=store_origin(rig.store.identity().id, rig.table))
     before = [f"before-{i}" for i in range(30)]
     with ThreadPoolExecutor(max_workers=6) as pool:
         first = list(pool.map(lambda k: log.add(send(server.url, k, body_for(k))), before))

@@ -37,9 +37,14 @@ _MYSQL_LOCK_WAIT_TIMEOUT = 1205
 @compiles(db_now_ms, "mysql")
 @compiles(db_now_ms, "mariadb")
 def _now_ms_mysql(element: Any, compiler: Any, **kw: Any) -> str:
-    # NOW(3) is the statement's start, to the millisecond; UNIX_TIMESTAMP turns it
-    # back into epoch time through the session's own time zone.
-    return "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)"
+    # The statement's start in UTC, counted from the epoch as plain DATETIME arithmetic.
+    # Not UNIX_TIMESTAMP(NOW(3)): that goes through the session's time zone, and with
+    # time_zone=SYSTEM in a zone with daylight saving the repeated autumn hour maps to
+    # its later instant, an hour ahead, which made every live lease look expired (C52).
+    return (
+        "CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(3)) DIV 1000"
+        " AS SIGNED)"
+    )
 
 
 class MySQL(Dialect):

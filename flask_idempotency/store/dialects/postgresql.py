@@ -76,7 +76,7 @@ class PostgreSQL(Dialect):
         )
 
     def autocommit_pool(self, driver: str) -> bool:
-        return driver == "psycopg2"
+        return driver in ("psycopg2", "psycopg")
 
     def async_claim_prefix(self, driver: str) -> str | None:
         """psycopg2 sends ``SET LOCAL`` and the claim in one simple query inside the

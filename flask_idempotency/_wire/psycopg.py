@@ -1,0 +1,165 @@
+"""The request path's statements on a pooled psycopg 3 connection, by psycopg's own means
+(issue 21).
+
+CONTRACT C8, C14, C26, C51.
+
+What the library does, and nothing is written by hand: the statement, compiled once by
+SQLAlchemy, is run by psycopg's own cursor with its values as parameters
+(extended protocol, server-side binding), prepared on the server by psycopg itself
+(``execute(..., prepare=True)``: its per-connection cache names and keeps them), with
+results in binary (``binary=True``: a stored body comes back as its bytes, not as
+hex text to decode). ``IDEMPOTENCY_ASYNC_CLAIM``'s ``SET LOCAL`` and the claim go as
+one simple query through psycopg's :class:`~psycopg.ClientCursor` (client-side
+binding, psycopg's own quoting). The pool checkout is :mod:`.sqla_pool`'s.
+
+Private psycopg APIs this module touches: none. Public ones it relies on, checked once
+at import (:data:`USABLE`; without them the store keeps SQLAlchemy's ordinary path):
+``Cursor.execute(query, params, prepare=, binary=)``, ``Connection.prepare_threshold``
+(``None`` switches every preparation off, even ``prepare=True``: the store's engines
+set it for PgBouncer, so a connection of the request path's pool gets a threshold no
+statement reaches, and only ``prepare=True`` prepares), ``ClientCursor``,
+``Cursor.nextset()``, ``Error.sqlstate``, ``Connection.pipeline()`` and
+``Pipeline.is_supported()`` (a statement's first run on a connection sends psycopg's
+Parse with its Bind/Execute in one round trip).
+
+Tested with psycopg 3.1.8 and the newest release (3.3.9 when this was written),
+SQLAlchemy 2.0.0 and 2.1.9.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import re
+from collections.abc import Callable
+from typing import Any
+
+from .sqla_pool import _CURSOR, _KEPT_RESULT_BYTES, _PREPARED
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+#: The key of a pooled connection's client-side-binding cursor (the asynchronous claim).
+_CLIENT_CURSOR = "flask_idempotency.client_cursor"
+#: A connection's ``prepare_threshold`` on the request path's pool: a count no statement
+#: reaches, so psycopg prepares exactly the statements run with ``prepare=True``.
+_ONLY_WHEN_ASKED = 2**31 - 1
+
+
+def _execute_api() -> bool:
+    try:
+        import psycopg
+
+        wanted = {"prepare", "binary"}
+        return (
+            wanted <= set(inspect.signature(psycopg.Cursor.execute).parameters)
+            and hasattr(psycopg.Connection, "prepare_threshold")
+            and hasattr(psycopg, "ClientCursor")
+        )
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
+
+
+#: Checked once, at import: whether this psycopg has what this module uses.
+USABLE = _execute_api()
+
+
+def _pipeline() -> bool:
+    try:
+        import psycopg
+
+        return bool(psycopg.Pipeline.is_supported())
+    except (ImportError, AttributeError):
+        return False
+
+
+#: Whether this psycopg's libpq has pipeline mode (libpq 14+; the binary wheels have it).
+_PIPELINE = USABLE and _pipeline()
+
+
+class PsycopgSQL:
+    """A statement compiled once for psycopg: its text with positional placeholders and
+    the names of its values, in order (a statement's own constants included).
+
+    ``sql`` is the statement as SQLAlchemy would run it (error messages name it);
+    ``record_values``: a row's values in
+    :data:`~flask_idempotency.records.RECORD_COLUMNS` order (statements that read a
+    record); ``body_at``: where a row holds a stored body, if it does.
+    """
+
+    __slots__ = ("_constants", "_values", "body_at", "prefixed", "query", "record_values", "sql")
+
+    def __init__(
+        self,
+        compiled: Any,
+        record_values: Callable[[Any], Any] | None,
+        prefix: str,
+        body_at: int | None = None,
+    ) -> None:
+        sql: str = compiled.string
+        self.sql = prefix + sql
+        self.record_values = record_values
+        self.body_at = body_at
+        names = _PLACEHOLDER.findall(sql)
+        positional = _PLACEHOLDER.sub("%s", sql)
+        #: The query psycopg runs (bytes: nothing to encode per run).
+        self.query = positional.encode()
+        #: The asynchronous claim: the setting and the statement in one simple query.
+        self.prefixed = (prefix.replace("%", "%%") + positional).encode() if prefix else None
+        self._constants = {
+            name: compiled.params[name] for name in names if not compiled.binds[name].required
+        }
+        getter = operator.itemgetter(*names) if names else (lambda params: ())
+        self._values: Callable[[dict[str, Any]], Any] = (
+            getter if len(names) > 1 else (lambda params: (getter(params),) if names else ())
+        )
+
+    def values(self, params: dict[str, Any]) -> Any:
+        """The statement's values, in placeholder order, for a run with ``params``."""
+        return self._values({**self._constants, **params} if self._constants else params)
+
+
+def fetchone(
+    cursor: Any, info: dict[str, Any], statement: PsycopgSQL, params: dict[str, Any], prepare: bool
+) -> Any:
+    """Run ``statement`` on ``cursor`` (with its pooled connection's ``info``); its first row.
+
+    ``prepare``: prepared on the server by psycopg (once per connection, then each run is
+    a Bind/Execute of the prepared statement), unless a transaction pooler was seen.
+    """
+    values = statement.values(params)
+    if statement.prefixed is not None:
+        client = info.get(_CLIENT_CURSOR)
+        if client is None:
+            import psycopg
+
+            client = info[_CLIENT_CURSOR] = psycopg.ClientCursor(cursor.connection)
+        client.execute(statement.prefixed, values)
+        client.nextset()  # past the SET's empty result
+        return client.fetchone()
+    if not prepare:
+        cursor.execute(statement.query, values, prepare=False, binary=True)
+        row = cursor.fetchone()
+    else:
+        prepared = info.get(_PREPARED)
+        if prepared is None:
+            # The mark also tells the pool checkout to replace the connection after a
+            # failure (which statements the server kept is unknown then).
+            prepared = info[_PREPARED] = set()
+            cursor.connection.prepare_threshold = _ONLY_WHEN_ASKED
+        if statement.query in prepared or not _PIPELINE:
+            cursor.execute(statement.query, values, prepare=True, binary=True)
+            row = cursor.fetchone()
+        else:
+            # First use on this connection: psycopg's Parse and the Bind/Execute in one
+            # round trip (outside a pipeline the Parse waits for its own answer).
+            with cursor.connection.pipeline():
+                cursor.execute(statement.query, values, prepare=True, binary=True)
+                row = cursor.fetchone()
+            prepared.add(statement.query)
+    at = statement.body_at
+    if at is not None and row is not None:
+        body = row[at]
+        if body is not None and len(body) > _KEPT_RESULT_BYTES:
+            # The cursor holds its last result until its next statement: a big one is
+            # let go with this cursor rather than kept by the pooled connection.
+            info.pop(_CURSOR, None)
+    return row
