@@ -10,13 +10,12 @@ PostgreSQL connections give up on a host that does not accept them within
 :data:`CONNECT_TIMEOUT` seconds (each host of a multi-host URL in turn), and on one
 that stops acknowledging what they send within :data:`~.deadline.STATEMENT_DEADLINE`
 (``tcp_user_timeout``); keepalives find a dead peer of an idle pooled connection.
-A multi-host URL may be written as libpq writes it (``h1:p1,h2:p2``, in the host part
-or in ``?host=``); it is rewritten to the form SQLAlchemy reads (:func:`store_url`).
+A multi-host URL may be written as libpq writes it in the query (``?host=h1:p1,h2:p2``);
+it is rewritten to the form SQLAlchemy reads (:func:`store_url`).
 """
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -137,28 +136,16 @@ def _libpq_version(driver: str) -> int:
         return 0
 
 
-#: A URL whose host part lists several hosts, as libpq reads it: ``scheme://[user@]h1,h2/…``.
-_MULTI_HOST_NETLOC = re.compile(
-    r"^(?P<head>postgresql(?:\+\w+)?://)(?P<user>[^@/?#]*@)?(?P<hosts>[^/?#]*,[^/?#]*)"
-    r"(?P<path>/[^?#]*)?(?:\?(?P<query>[^#]*))?$"
-)
-
-
 def store_url(uri: str | URL) -> URL:
-    """``uri`` as SQLAlchemy reads it, with a PostgreSQL multi-host URL written either
-    way libpq accepts rewritten to SQLAlchemy's form, ``?host=h1:p1&host=h2:p2``.
+    """``uri`` as SQLAlchemy reads it, with libpq's ``?host=h1:p1,h2:p2`` rewritten to
+    SQLAlchemy's ``?host=h1:p1&host=h2:p2``.
 
     SQLAlchemy takes ``?host=h1:p1&host=h2:p2`` and ``?host=h1,h2&port=p1,p2``, but
     turns ``?host=h1:p1,h2:p2`` into the hosts ``"h1:p1"`` and ``"h2:p2"`` with the
-    port ``","`` (every connection fails: the host names do not resolve), and cannot
-    parse ``postgresql://h1:p1,h2:p2/db`` at all (an integer port is expected).
+    port ``","``: every connection fails, the host names do not resolve. (libpq's
+    ``postgresql://h1:p1,h2:p2/db`` SQLAlchemy cannot parse at all: ``init_app``
+    refuses it, showing the query form.)
     """
-    if isinstance(uri, str):
-        match = _MULTI_HOST_NETLOC.match(uri)
-        if match is not None:
-            hosts = "&".join(f"host={host}" for host in match["hosts"].split(",") if host)
-            query = f"{hosts}&{match['query']}" if match["query"] else hosts
-            uri = f"{match['head']}{match['user'] or ''}{match['path'] or '/'}?{query}"
     url = make_url(uri)
     host = url.query.get("host")
     if (

@@ -102,6 +102,14 @@ class Watchdog:
             self._watched.pop(deadline, None)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # pragma: no cover - a bug here must not pass silently
+            log.exception("idempotency: the statement deadline watchdog stopped")
+            with self._lock:
+                self._thread = None  # the next statement starts another
+
+    def _loop(self) -> None:
         with self._cond:
             while True:
                 if not self._watched:
