@@ -19,8 +19,8 @@ The verdicts, from the app's file ledger (failapp.py) and the records table:
 - no record left in progress and every key answered 201 (C15);
 - service resumes: a probe client that sends a fresh key every 0.1 s from the kill on
   (ignoring ``Retry-After``) gets its first 201 within ``RESUME_WITHIN`` seconds of the
-  new primary taking writes (C55). Measured: 0.05-0.06 s on both drivers. The storm's
-  own clients come back later (``client claim s``, 0.3-2.2 s): they sleep the 503's
+  new primary taking writes (C55). Measured: 0.03-0.06 s on both drivers. The storm's
+  own clients come back later (``client claim s``, 0.05-2.2 s): they sleep the 503's
   ``Retry-After`` (3 s), and since they all met the outage at about the same moment,
   their retries come in bunches about 3.1 s apart, on a cycle that has nothing to do
   with the promotion: in one run none was sent from 0.2 s before the promotion to
