@@ -428,11 +428,19 @@ def _database_uri(uri: Any) -> None:
     try:
         make_url(uri)
     except (ArgumentError, ValueError, TypeError) as exc:
+        hosts = str(uri).partition("://")[2].partition("/")[0].rpartition("@")[2]
+        several = (
+            " Several hosts (libpq's h1:5432,h2:5432) go in the query instead:"
+            " postgresql+psycopg2://app@/app?host=h1:5432&host=h2:5432"
+            "&target_session_attrs=read-write."
+            if "," in hosts
+            else ""
+        )
         raise ValueError(
             f"IDEMPOTENCY_DATABASE_URI is not a database URL ({exc}). Write"
             " dialect+driver://user:password@host:port/database, e.g."
             " postgresql+psycopg2://app@db.internal:5432/app, or leave it unset for the"
-            " db= / engine= database or the SQLite file in the instance folder."
+            f" db= / engine= database or the SQLite file in the instance folder.{several}"
         ) from None
 
 

@@ -1,12 +1,20 @@
 """The durable store's engines, and how its statements run: retries and the outage rule.
 
-CONTRACT C26, C45, C47.
+CONTRACT C25, C26, C45, C47, C55.
 
 Every statement runs in one short transaction of its own (C26), or on the request
 path's autocommit pool where there is one. No pooled connection has its isolation
 level switched for us: a switch is undone when the connection returns to the pool,
 and undoing it on a connection the network has cut raises outside SQLAlchemy's
 error handling and loses the pool slot.
+
+Every statement, with its COMMIT, runs under a deadline (:mod:`.deadline`): a server
+that stops answering costs a request :data:`~.deadline.STATEMENT_DEADLINE` seconds
+and a 503, never a thread held until TCP gives up. A statement refused because the
+server is read-only (SQLSTATE 25006: a standby reached after a failover, a demoted
+primary) is an outage too (C25, C55); the connections that reached it leave the
+pool, and the statement is tried once more on a fresh connection, which a multi-host
+URL with ``target_session_attrs=read-write`` opens on the new primary.
 """
 
 from __future__ import annotations
@@ -16,15 +24,23 @@ import random
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import Connection, Engine, Table, create_engine, inspect
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from .. import process
+from .deadline import STATEMENT_DEADLINE, Deadline, watchdog
 from .dialects import is_lock_unavailable, is_retryable, of
 from .direct import DirectSQL, DirectStatements, supported
-from .errors import StoreError, StoreMisconfigured, describe, is_schema_error, schema_help
+from .errors import (
+    StoreError,
+    StoreMisconfigured,
+    describe,
+    is_read_only,
+    is_schema_error,
+    schema_help,
+)
 
 T = TypeVar("T")
 
@@ -49,6 +65,8 @@ class StoreEngines:
         #: The direct path's statements as the driver's SQL, by name (:meth:`_direct_sql`).
         self._direct_cache: dict[str, DirectSQL] = {}
         self._setup_lock = process.lazy_lock()
+        #: Seconds each statement may wait for its answer (:mod:`.deadline`); 0: no limit.
+        self.statement_deadline = STATEMENT_DEADLINE
 
     # -- engines -----------------------------------------------------------------
 
@@ -171,39 +189,86 @@ class StoreEngines:
         for the caller. ``lock_wait_is_final``: a lock wait that timed out is an
         answer for the caller (:meth:`_run_locked`), not retried.
         """
+        deadline = self._new_deadline()
 
         def once() -> T:
             if single is not None:  # autocommit: each statement commits by itself
                 with single.connect() as conn:
-                    return work(conn)
-            with self.engine.begin() as conn:
-                return work(conn)
+                    return watched(conn, deadline, functools.partial(work, conn))
+            with self.engine.connect() as conn:
+                return watched(conn, deadline, functools.partial(_in_transaction, conn, work))
 
-        return self._retrying(once, lock_wait_is_final=lock_wait_is_final)
+        return self._retrying(once, deadline, lock_wait_is_final=lock_wait_is_final)
 
     def _run_direct(
         self, direct: DirectStatements, sql: str, work: Callable[[Any, dict[str, Any]], T]
     ) -> T:
         """:meth:`_run` for ``work`` on a cursor of the direct path (:mod:`.direct`)."""
-        return self._retrying(functools.partial(direct.run, sql, work))
+        deadline = self._new_deadline()
+        if deadline is None:
+            return self._retrying(functools.partial(direct.run, sql, work))
+        dog = watchdog()
 
-    def _retrying(self, once: Callable[[], T], *, lock_wait_is_final: bool = False) -> T:
-        """``once()``, with the retries and the outage rule of :meth:`_run`."""
+        def watched(cursor: Any, info: dict[str, Any]) -> T:
+            watching = dog.watch(deadline, cursor.connection)
+            try:
+                return work(cursor, info)
+            finally:
+                if watching:
+                    dog.unwatch(deadline)
+
+        return self._retrying(functools.partial(direct.run, sql, watched), deadline)
+
+    def _new_deadline(self) -> Deadline | None:
+        seconds = self.statement_deadline
+        return Deadline(seconds) if seconds else None
+
+    def _retrying(
+        self,
+        once: Callable[[], T],
+        deadline: Deadline | None = None,
+        *,
+        lock_wait_is_final: bool = False,
+    ) -> T:
+        """``once()``, with the retries and the outage rule of :meth:`_run`.
+
+        ``deadline``: the one each attempt runs under; a statement it cut off is an
+        outage at once (a server that did not answer within it is not asked again).
+        A read-only server's refusal sends the pools' connections away (they all
+        reached that server) and counts as a dead connection: tried once more.
+        """
         for attempt in range(ATTEMPTS):
             try:
                 return once()
             except DBAPIError as exc:
+                if deadline is not None and deadline.fired:
+                    raise StoreError(timed_out(deadline, exc)) from exc
                 if is_schema_error(exc):
                     raise StoreMisconfigured(self._schema_help(exc)) from exc
                 if lock_wait_is_final and is_lock_unavailable(exc):
                     raise StoreError(describe(exc)) from exc
+                if is_read_only(exc):
+                    self._leave_pools(exc)
+                    exc.connection_invalidated = True
                 retryable = is_retryable(exc) or (exc.connection_invalidated and attempt == 0)
                 if not retryable or attempt == ATTEMPTS - 1:
                     raise StoreError(describe(exc)) from exc
                 time.sleep(random.uniform(0.005, 0.02) * (attempt + 1))
             except SQLAlchemyError as exc:
+                if deadline is not None and deadline.fired:
+                    raise StoreError(timed_out(deadline, exc)) from exc
                 raise StoreError(describe(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _leave_pools(self, exc: BaseException, *others: Engine) -> None:
+        """Every connection the store's pools (and ``others``') hold now is replaced on its
+        next checkout: one reached a read-only server, and so, most likely, did every
+        connection made before it. (``Pool._invalidate``, private: what SQLAlchemy
+        itself does to a pool after a disconnect.)"""
+        engines = self._engines
+        pools = [] if engines is None else [e.pool for e in (engines[0], engines[2]) if e]
+        for pool in [*pools, *(engine.pool for engine in others)]:
+            pool._invalidate(cast(Any, None), exc, _checkin=False)
 
     def _run_locked(self, work: Callable[[Connection], T]) -> T | None:
         """Run ``work`` so that it does not queue behind another owner's row lock.
@@ -227,6 +292,33 @@ class StoreEngines:
 
     def _schema_help(self, exc: BaseException) -> str:
         return schema_help(self.table.fullname, exc)
+
+
+def _in_transaction(conn: Connection, work: Callable[[Connection], T]) -> T:
+    """``work(conn)`` in one transaction, committed when it returns."""
+    with conn.begin():
+        return work(conn)
+
+
+def watched(conn: Connection, deadline: Deadline | None, work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` with the statements it sends on ``conn`` under ``deadline``."""
+    if deadline is None or conn.dialect.name != "postgresql":
+        return work(*args)
+    dog = watchdog()
+    watching = dog.watch(deadline, conn.connection.dbapi_connection)
+    try:
+        return work(*args)
+    finally:
+        if watching:
+            dog.unwatch(deadline)
+
+
+def timed_out(deadline: Deadline, exc: BaseException) -> str:
+    """What :class:`StoreError` says of a statement its deadline cut off."""
+    return (
+        f"no answer from the database within {deadline.seconds:g} s; the connection was"
+        f" closed ({describe(exc)})"
+    )
 
 
 def _autocommit_sibling(engine: Engine) -> Engine | None:

@@ -1,4 +1,4 @@
-"""The store's errors, and what a driver error says (CONTRACT C25, C26, C45).
+"""The store's errors, and what a driver error says (CONTRACT C25, C26, C45, C55).
 
 Every failure of the durable store reaches the lifecycle as :class:`StoreError` (an
 outage: 503) or :class:`StoreMisconfigured` (a deployment error: never failed open).
@@ -6,6 +6,8 @@ The helpers here read a driver's error the same way whichever database raised it
 """
 
 from __future__ import annotations
+
+import re
 
 from sqlalchemy.exc import DBAPIError
 
@@ -70,8 +72,42 @@ def schema_help(table_name: str, exc: BaseException) -> str:
     )
 
 
+#: SQLSTATE ``read_only_sql_transaction``: the connection reached a server that takes no
+#: writes (a standby, a demoted primary, ``default_transaction_read_only``).
+_READ_ONLY = "25006"
+
+
+def is_read_only(exc: BaseException | None) -> bool:
+    """A write refused because the server is read-only: the store is unavailable there
+    (C25, C55), and the connection must not be used again (a standby stays one)."""
+    return sqlstate(exc) == _READ_ONLY
+
+
+#: The start of libpq's message for one host of a multi-host connection string.
+_HOST_FAILURE = ("connection to server at ", "connection to server on socket ")
+#: psycopg 3's line for one host it tried: ``- host: 'h', port: 'p', hostaddr: 'a':
+#: connection failed: <libpq's message>``; what follows the prefix is libpq's own.
+_PSYCOPG_ATTEMPT = re.compile(r"^- host: .*?: connection failed: ")
+
+
 def describe(exc: BaseException) -> str:
-    """A driver error in one line: its type and the first line of its message."""
+    """A driver error in one line: its type and the first line of its message, or, when
+    a multi-host connection string failed, every host's error in the order they were
+    tried (libpq writes one line per host; psycopg 3 lists them after
+    ``All failures were:``).
+
+    Nothing else of a multi-line message is kept: libpq's hints (indented lines) add
+    nothing to a log line, and a server's ``DETAIL`` may quote the values of a row.
+    """
     orig = getattr(exc, "orig", None) or exc
-    first_line = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
-    return f"{type(orig).__name__}: {first_line}"
+    lines = [line.strip() for line in str(orig).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(orig).__name__
+    # psycopg 3 lists each host it tried, in order (its first line repeats the last one).
+    attempts = [_PSYCOPG_ATTEMPT.sub("", line) for line in lines if _PSYCOPG_ATTEMPT.match(line)]
+    if attempts:
+        parts = list(dict.fromkeys(attempts))
+    else:
+        parts = [lines[0]]
+        parts += [line for line in lines[1:] if line.startswith(_HOST_FAILURE)]
+    return f"{type(orig).__name__}: {'; '.join(dict.fromkeys(parts))}"

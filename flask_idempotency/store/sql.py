@@ -37,8 +37,8 @@ from ..records import (
 )
 from .dialects import named, of
 from .direct import DirectStatements
-from .engines import ATTEMPTS, StoreEngines
-from .errors import StoreError, StoreMisconfigured, describe
+from .engines import ATTEMPTS, StoreEngines, timed_out, watched
+from .errors import StoreError, StoreMisconfigured, describe, is_read_only
 from .identity import (
     IdentityMissing,
     IdentityUnavailable,
@@ -634,10 +634,20 @@ class DurableStore(StoreEngines):
                     renewed.add(claim.record_id)
             return renewed
 
-        try:
-            with (engine or self.engine).begin() as conn, of(conn).lock_wait_bounded(conn):
+        def in_transaction(conn: Connection) -> set[int]:
+            with conn.begin(), of(conn).lock_wait_bounded(conn):
                 return renew_all(conn)
+
+        target = engine or self.engine
+        deadline = self._new_deadline()
+        try:
+            with target.connect() as conn:
+                return watched(conn, deadline, functools.partial(in_transaction, conn))
         except SQLAlchemyError as exc:
+            if deadline is not None and deadline.fired:
+                raise StoreError(timed_out(deadline, exc)) from exc
+            if is_read_only(exc):
+                self._leave_pools(exc, target)
             raise StoreError(describe(exc)) from exc
 
 

@@ -277,6 +277,9 @@ class PatroniNode:
         self.directory = cluster.directory / name
         self.data_dir = self.directory / "data"
         self.pg_port = free_port()
+        #: The port other nodes reach this one on (``connect_address``: a standby streams
+        #: from it); ``pg_port`` unless a proxy is put in between before ``start()``.
+        self.connect_port = self.pg_port
         self.api_port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = self.directory / "patroni.log"
@@ -315,7 +318,7 @@ class PatroniNode:
             },
             "postgresql": {
                 "listen": f"127.0.0.1:{self.pg_port}",
-                "connect_address": f"127.0.0.1:{self.pg_port}",
+                "connect_address": f"127.0.0.1:{self.connect_port}",
                 "data_dir": str(self.data_dir),
                 "bin_dir": cluster.bin_dir,
                 "pgpass": str(self.directory / "pgpass"),

@@ -75,8 +75,13 @@ class TcpProxy:
 
     def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
         selector = selectors.DefaultSelector()
-        selector.register(client, selectors.EVENT_READ, upstream)
-        selector.register(upstream, selectors.EVENT_READ, client)
+        try:
+            selector.register(client, selectors.EVENT_READ, upstream)
+            selector.register(upstream, selectors.EVENT_READ, client)
+        except (OSError, ValueError):  # cut() closed the pair before this thread began
+            selector.close()
+            self._close_pair(client, upstream)
+            return
         try:
             while not self._stopped.is_set() and self._open.is_set():
                 if self._stalled.is_set():

@@ -1,0 +1,174 @@
+"""A deadline for the store's statements: a server that stops answering is not waited for.
+
+CONTRACT C25, C55.
+
+libpq has a ``connect_timeout`` but nothing bounds the wait for a statement's answer:
+a database host that drops off the network, freezes, or sits behind a proxy or load
+balancer whose backend died keeps the statement waiting until TCP gives up (about
+15 minutes), with the request's thread, its pooled connection and, behind it, every
+request that needs one. The server's ``statement_timeout`` cannot help: the server
+is what does not answer.
+
+So each statement of the store, with its COMMIT, runs under a deadline
+(:data:`STATEMENT_DEADLINE`): one watchdog thread per process, sleeping until the
+earliest deadline of the statements under way, shuts down the socket of a
+statement past its deadline (``shutdown(2)`` on a duplicate of the descriptor:
+the driver's own descriptor stays open until the driver closes it). The driver then
+reports the connection lost, SQLAlchemy drops it from its pool (with every older
+connection of the pool, as for any disconnect), and the store answers
+:class:`~flask_idempotency.store.errors.StoreError` at once: 503 with
+``Retry-After`` (C25). Kernel-level limits (``tcp_user_timeout``, keepalives, set by
+:mod:`.connect`) catch a peer that stopped acknowledging packets; this catches the
+rest, such as a peer whose kernel still acknowledges but which never answers.
+
+Only PostgreSQL connections are watched (psycopg2 and psycopg 3 connections expose
+their socket as ``fileno()``). Under gevent the watchdog is a greenlet and fires only
+where the driver yields to the hub (psycopg 3; psycopg2 with ``psycogreen``);
+``tcp_user_timeout`` still applies there.
+
+A watched statement costs a lock taken twice and a dictionary entry; the thread wakes
+about once per deadline while statements run, and sleeps while none does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from .. import process
+
+log = logging.getLogger("flask_idempotency")
+
+#: Seconds a statement of the store (its COMMIT included) may wait for its answer.
+STATEMENT_DEADLINE = 5.0
+
+
+class Deadline:
+    """One store call's deadline; :attr:`fired` once its statement was cut off."""
+
+    __slots__ = ("due", "fd", "fired", "seconds")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.due = 0.0
+        self.fd = -1
+        self.fired = False
+
+
+class Watchdog:
+    """The statements under way and the thread that cuts off the late ones."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # taken directly where no waiting is involved
+        self._cond = threading.Condition(self._lock)
+        #: Deadlines under way (a dict for its order and O(1) removal).
+        self._watched: dict[Deadline, None] = {}
+        self._thread: threading.Thread | None = None
+        #: When the waiting thread wakes by itself (``inf``: only when told); ``None``
+        #: while it is not waiting (it looks at every deadline before it waits again).
+        self._wakes_at: float | None = None
+        #: Statements cut off by this process (tests, diagnostics).
+        self.fired = 0
+
+    def watch(self, deadline: Deadline, dbapi_connection: Any) -> bool:
+        """Watch the statement about to run on ``dbapi_connection``; ``False`` (not
+        watched) when the connection shows no socket."""
+        try:
+            fd = dbapi_connection.fileno()
+        except Exception:  # not a PostgreSQL driver's connection, or already closed
+            return False
+        due = time.monotonic() + deadline.seconds
+        with self._lock:
+            deadline.fd, deadline.due = fd, due
+            self._watched[deadline] = None
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="idempotency-deadline", daemon=True
+                )
+                self._thread.start()
+            elif self._wakes_at is not None and due < self._wakes_at:
+                self._wakes_at = None
+                self._cond.notify()
+        return True
+
+    def unwatch(self, deadline: Deadline) -> None:
+        """The statement is over: once this returns, its socket is never shut down."""
+        with self._lock:
+            self._watched.pop(deadline, None)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # pragma: no cover - a bug here must not pass silently
+            log.exception("idempotency: the statement deadline watchdog stopped")
+            with self._lock:
+                self._thread = None  # the next statement starts another
+
+    def _loop(self) -> None:
+        with self._cond:
+            while True:
+                if not self._watched:
+                    self._wakes_at = math.inf  # the next watch wakes it
+                    self._cond.wait()
+                    self._wakes_at = None
+                    continue
+                now = time.monotonic()
+                earliest = min(d.due for d in self._watched)
+                if earliest > now:
+                    self._wakes_at = earliest
+                    self._cond.wait(earliest - now)
+                    self._wakes_at = None
+                    continue
+                for late in [d for d in self._watched if d.due <= now]:
+                    del self._watched[late]
+                    late.fired = True
+                    self.fired += 1
+                    _shut_down(late.fd)
+                    log.debug(
+                        "idempotency: no answer from the database within %g s: connection closed",
+                        late.seconds,
+                    )
+
+
+def _shut_down(fd: int) -> None:
+    """Shut down the socket behind ``fd`` (a duplicate is closed, never ``fd`` itself)."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+_watchdog: Watchdog | None = None
+_made = process.lazy_lock()
+
+
+def watchdog() -> Watchdog:
+    """This process's watchdog, made on first use and afresh in a forked child."""
+    global _watchdog
+    current = _watchdog
+    if current is None:
+        with _made:
+            current = _watchdog
+            if current is None:
+                current = _watchdog = Watchdog()
+    return current
+
+
+def _reset_after_fork() -> None:
+    """A forked child's watchdog starts afresh: the parent's thread does not exist there."""
+    global _watchdog
+    _watchdog = None
+
+
+process.at_fork(_reset_after_fork)
