@@ -377,9 +377,9 @@ def test_i26_6_c45_a_missing_identity_keeps_redis_off_and_says_what_to_run(
     request is still decided by the database (one execution, replays from there). It is
     logged at ERROR, once, with the command; ``check`` fails with the same; once the
     operator creates it, the tier comes back without a restart."""
-    from flask_idempotency.store import sql
+    from flask_idempotency.store import schema
 
-    monkeypatch.setattr(sql, "IDENTITY_RETRY_MISSING", 0.0)
+    monkeypatch.setattr(schema, "IDENTITY_RETRY_MISSING", 0.0)
     server = fakeredis.FakeServer()
     spy = fakeredis.FakeRedis(server=server)
     app, _ = make_app(redis=fakeredis.FakeRedis(server=server))

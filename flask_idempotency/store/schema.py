@@ -1,0 +1,151 @@
+"""The store's tables: set up when asked, verified before the first claim, and its identity.
+
+The records table and its one-row companion ``<table>_store`` (the store's
+identity, which names its records in Redis, C41) are created here when the app
+asks for it (``IDEMPOTENCY_CREATE_TABLE``, the embedded SQLite default), and read
+once per process: every column before the first claim (a missing or mismatched
+table stops requests before a view runs, C45), the identity at the Redis tier's
+first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from sqlalchemy import Connection, Engine, MetaData, Table, inspect, select
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from .engines import StoreEngines
+from .errors import StoreError, StoreMisconfigured, describe
+from .identity import (
+    IdentityMissing,
+    IdentityUnavailable,
+    StoreIdentity,
+    identity_table,
+    missing_help,
+    read_identity,
+    write_statement,
+)
+from .table import idempotency_table
+
+log = logging.getLogger("flask_idempotency")
+
+#: Seconds an identity that could not be read is not asked for again: the Redis tier
+#: asks on every use while it has none, and the answer is a round trip (or a timeout).
+IDENTITY_RETRY_MISSING = 5.0
+IDENTITY_RETRY_UNAVAILABLE = 1.0
+
+
+class StoreSchema(StoreEngines):
+    """The records table and the store's identity (the base of
+    :class:`~flask_idempotency.store.sql.DurableStore`)."""
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        metadata: MetaData | None,
+        table_name: str,
+        create_table: bool,
+    ) -> None:
+        own = metadata or MetaData()
+        table: Table = idempotency_table(own, table_name)
+        super().__init__(engine_factory, table, create_table)
+        #: The store's identity (one row), which names its records in Redis (C41).
+        self.identity_table: Table = identity_table(own, table_name)
+        #: The table is on the app's metadata (``db=``): its migrations create it.
+        self.on_app_metadata = metadata is not None
+        self._identity: StoreIdentity | None = None
+        self._identity_failure: tuple[float, StoreError] | None = None
+        self._verified = False
+
+    def create_table(self) -> None:
+        """Create the table and its identity if missing (tests, the embedded SQLite default)."""
+        self.table.create(self.engine, checkfirst=True)
+        self.identity_table.create(self.engine, checkfirst=True)  # writes the id (identity.py)
+
+    def _create_if_missing(self, engine: Engine) -> None:
+        """The set-up's step (``IDEMPOTENCY_CREATE_TABLE``): the table, then its identity."""
+        super()._create_if_missing(engine)
+        try:
+            self.identity_table.create(engine, checkfirst=True)
+        except SQLAlchemyError:
+            table = self.identity_table
+            if not inspect(engine).has_table(table.name, schema=table.schema):
+                raise
+
+    # -- identity -------------------------------------------------------------------
+
+    def identity(self) -> StoreIdentity:
+        """This store's identity, read from its database once per process (C41).
+
+        The first call reads the row of ``<table>_store``, writing it first if the table
+        is empty (racing writers agree: :mod:`.identity`). Raises
+        :class:`.identity.IdentityMissing` when the table is not there (logged at ERROR,
+        with the command that fixes it) and :class:`.identity.IdentityUnavailable` when
+        the database does not answer; for a few seconds after either, the same error is
+        raised again without asking the database.
+        """
+        known = self._identity
+        if known is not None:
+            return known
+        failure = self._identity_failure
+        if failure is not None and time.monotonic() < failure[0]:
+            raise type(failure[1])(str(failure[1]))
+        try:
+            found = self._read_or_write_identity()
+        except StoreMisconfigured as exc:
+            error: StoreError = IdentityMissing(
+                missing_help(
+                    self.table.name,
+                    migrations=self.on_app_metadata,
+                    cause=describe(exc.__cause__ or exc),
+                )
+            )
+            if self._identity_failure is None or not isinstance(
+                self._identity_failure[1], IdentityMissing
+            ):
+                log.error("idempotency: %s", error)
+            self._identity_failure = (time.monotonic() + IDENTITY_RETRY_MISSING, error)
+            raise error from exc
+        except StoreError as exc:
+            error = IdentityUnavailable(
+                f"could not read this store's identity from {self.identity_table.name!r}: {exc}"
+            )
+            self._identity_failure = (time.monotonic() + IDENTITY_RETRY_UNAVAILABLE, error)
+            raise error from exc
+        self._identity, self._identity_failure = found, None
+        log.info(
+            "idempotency: store %r is %s (from %r)",
+            self.table.name,
+            found.id[:12],
+            self.identity_table.name,
+        )
+        return found
+
+    def _read_or_write_identity(self) -> StoreIdentity:
+        table = self.identity_table
+
+        def read(conn: Connection) -> StoreIdentity | None:
+            return read_identity(conn, table)
+
+        found = self._run(read)
+        if found is None:  # an empty table (an autogenerated migration): write the one row
+            try:
+                self._run(lambda conn: conn.execute(write_statement(table)))
+            except StoreError as exc:
+                if not isinstance(exc.__cause__, IntegrityError):
+                    raise  # (another process wrote it first: read theirs)
+            found = self._run(read)
+        if found is None:  # pragma: no cover - deleted again between the two statements
+            raise StoreError(f"the row of {table.name!r} vanished while it was being written")
+        return found
+
+    def verify_table(self) -> None:
+        """Read every column once per process before the first claim, so that a missing
+        or mismatched table stops requests before any view runs (C45), not at completion."""
+        t = self.table
+        probe = select(*t.c).where(t.c.id.is_(None)).limit(1)
+        self._run(lambda conn: conn.execute(probe).first(), self._single())
+        self._verified = True
