@@ -290,6 +290,13 @@ def test_c10_x15_after_a_restart_wakeups_come_back_by_message(
     assert subscriber.wait_until_live(EVENTUALLY)
     assert subscriber.subscriptions > subscribed_before
     wait_for(owner.tier.ping, "the owner's tier to end its outage back-off")
+    # The waiter's too: a tier still backing off sets no waiting mark, and a completion
+    # publishes only to a record someone waits for (issue 11), so its wake-up would come
+    # by polling, not by message.
+    wait_for(waiter.tier.ping, "the waiter's tier to end its outage back-off")
+    wait_for(
+        lambda: waiter.notifier.expect("0" * 64, 0.1), "the waiter's notifier to set marks again"
+    )
 
     messages_before = subscriber.messages
     owner.gate.clear()
