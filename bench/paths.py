@@ -64,14 +64,20 @@ class Floor:
     """Raw clients doing, by hand, the round trips a path needs; nothing else."""
 
     def __init__(
-        self, db_url: str, redis_url: str, table: str, cached_name: bytes, stored_digest: str
+        self,
+        db_url: str,
+        redis_url: str,
+        table: str,
+        cached_name: bytes,
+        stored_digest: str,
+        driver: str = "psycopg2",
     ) -> None:
-        import psycopg2
         import redis
 
         self.redis = redis.Redis.from_url(redis_url)
-        self.pg = psycopg2.connect(dsn(db_url))
-        self.pg.autocommit = True  # one statement = one implicit transaction = one round trip
+        # One statement = one implicit transaction = one round trip, with each driver's
+        # defaults (psycopg 3 prepares a statement on the server from its fifth run).
+        self.pg = connect(db_url, driver)
         self.cur = self.pg.cursor()
         self.table = table
         self.cached_name = cached_name
@@ -124,6 +130,25 @@ class Floor:
     def close(self) -> None:
         self.pg.close()
         self.redis.close()
+
+
+def connect(db_url: str, driver: str) -> Any:
+    """An autocommit connection of ``driver`` (``psycopg2`` or ``psycopg``, i.e. psycopg 3)."""
+    if driver == "psycopg":
+        import psycopg
+
+        return psycopg.connect(dsn(db_url), autocommit=True)
+    import psycopg2
+
+    conn = psycopg2.connect(dsn(db_url))
+    conn.autocommit = True
+    return conn
+
+
+def driver_url(db_url: str, driver: str) -> str:
+    """``db_url`` naming ``driver`` explicitly (the bench's URLs name psycopg2)."""
+    scheme, rest = db_url.split("://", 1)
+    return f"postgresql+{driver}://{rest}" if scheme.startswith("postgresql") else db_url
 
 
 def floor_steps(floor: Floor) -> dict[str, Any]:
@@ -346,7 +371,70 @@ def build_inprocess(db_url: str, redis_url: str) -> Built:
             False,
         ),
     ]
-    return Built(paths, floor, [lambda: close_idemkit([ik_redis, ik_pg]), floor.close])
+    extra, floor3 = _psycopg3_paths(db_url, redis_url, bare)
+    paths += extra
+    return Built(
+        paths, floor, [lambda: close_idemkit([ik_redis, ik_pg]), floor.close, floor3.close]
+    )
+
+
+#: The paths measured with each PostgreSQL driver (issue 21, C51), by their key in PATHS.
+DRIVER_PATHS = ("replay-redis", "replay-pg", "first-redis", "first-pg")
+#: The drivers compared; the main table's paths and floors are psycopg2's.
+DRIVERS = ("psycopg2", "psycopg")
+
+
+def _psycopg3_paths(db_url: str, redis_url: str, bare: WsgiCaller) -> tuple[list[Path_], Floor]:
+    """Our paths and their floors once more with psycopg 3: ``ours@psycopg:<key>`` and
+    ``floor@psycopg:<key>``, the floor's round trips made with psycopg 3 itself."""
+    url = driver_url(db_url, "psycopg")
+    with_redis = create_app("ours", database_url=url, redis_url=redis_url, table="idem3_redis")
+    pg_only = create_app("ours", database_url=url, table="idem3_pg")
+    floor_app = create_app("ours", database_url=url, redis_url=redis_url, table="idem3_floor")
+    fixed: dict[str, str] = {}
+    before = redis_keys(redis_url)
+    for name, app in (("floor", floor_app), ("redis", with_redis), ("pg", pg_only)):
+        fixed[name] = f"replay3-{name}-{uuid.uuid4().hex[:8]}"
+        caller = WsgiCaller(app, "/pay")
+        caller(fixed[name])
+        assert caller.status.startswith("201") and not caller.replayed(), (name, caller.status)
+        if name == "floor":
+            added = redis_keys(redis_url) - before
+            cached = [k for k in added if not k.startswith(b"bench-floor")]
+            assert len(cached) == 1, f"expected one cached record, found {added}"
+    floor = Floor(
+        db_url,
+        redis_url,
+        "idem3_floor",
+        cached[0],
+        newest_digest(db_url, "idem3_floor"),
+        driver="psycopg",
+    )
+    steps = floor_steps(floor)
+    apps = {"replay-redis": with_redis, "first-redis": with_redis}
+    apps |= {"replay-pg": pg_only, "first-pg": pg_only}
+    keys = {
+        "replay-redis": lambda: fixed["redis"],
+        "replay-pg": lambda: fixed["pg"],
+        "first-redis": counter_keys("new3-r"),
+        "first-pg": counter_keys("new3-p"),
+    }
+    paths: list[Path_] = []
+    for key in DRIVER_PATHS:
+        step = steps[key]
+
+        def run(step: Any = step) -> None:
+            bare(None)
+            step()
+
+        label = next(label for k, label, _ in PATHS if k == key)
+        paths.append(Path_(f"floor@psycopg:{key}", f"floor (psycopg 3): {label}", "floor", run))
+        replay = key.startswith("replay")
+        caller = WsgiCaller(apps[key], "/pay")
+        paths.append(
+            _wsgi(f"ours@psycopg:{key}", f"{label}, psycopg 3", "ours", caller, keys[key], replay)
+        )
+    return paths, floor
 
 
 # -- over HTTP (gunicorn) -------------------------------------------------------------------------
@@ -385,12 +473,13 @@ class KeepAlive:
 
 
 SERVERS = {
-    # key: (bench mode, uses Redis, table)
-    "plain": ("plain", False, "none"),
-    "ours": ("ours", True, "idem_gunicorn_r"),
-    "ours-pg": ("ours", False, "idem_gunicorn_p"),
-    "ik-redis": ("idemkit-redis", True, "ik_gunicorn"),
-    "ik-pg": ("idemkit-pg", False, "ik_gunicorn"),
+    # key: (bench mode, uses Redis, table, PostgreSQL driver)
+    "plain": ("plain", False, "none", "psycopg2"),
+    "ours": ("ours", True, "idem_gunicorn_r", "psycopg2"),
+    "ours-pg": ("ours", False, "idem_gunicorn_p", "psycopg2"),
+    "ours-psycopg": ("ours", True, "idem_gunicorn_r3", "psycopg"),
+    "ik-redis": ("idemkit-redis", True, "ik_gunicorn", "psycopg2"),
+    "ik-pg": ("idemkit-pg", False, "ik_gunicorn", "psycopg2"),
 }
 
 
@@ -398,10 +487,10 @@ def start_servers(db_url: str, redis_url: str, workers: int, threads: int) -> di
     create_idemkit_table(db_url, "ik_gunicorn")
     servers: dict[str, Gunicorn] = {}
     try:
-        for key, (mode, uses_redis, table) in SERVERS.items():
+        for key, (mode, uses_redis, table, driver) in SERVERS.items():
             env = {
                 "BENCH_MODE": mode,
-                "DATABASE_URL": db_url,
+                "DATABASE_URL": driver_url(db_url, driver),
                 "BENCH_TABLE": table,
                 "BENCH_WAIT": "5",
                 "REDIS_URL": redis_url if uses_redis else "",
@@ -689,10 +778,16 @@ THROUGHPUT_CELLS = [
     ("ours", "bare"),
     ("ours", "mix"),
     ("ours", "new"),
+    ("ours-psycopg", "mix"),
+    ("ours-psycopg", "new"),
     ("ik-redis", "mix"),
     ("ik-redis", "new"),
     ("ik-pg", "mix"),
     ("ik-pg", "new"),
+    # Not a server: raw claim + completion pairs from N threads (``commit_ceiling``).
+    ("ceiling-psycopg2", "8"),
+    ("ceiling-psycopg2", "32"),
+    ("ceiling-psycopg", "8"),
 ]
 
 
@@ -733,8 +828,78 @@ def wrk_run(
     raise RuntimeError(f"wrk gave no result: {done.stdout}\n{done.stderr}")
 
 
+def commit_ceiling(
+    db_url: str, table: str, driver: str, threads: int, seconds: float
+) -> dict[str, Any]:
+    """What the durable commits alone allow: raw claim + completion pairs (the floor's
+    two autocommit statements, each waiting for its WAL flush) from ``threads``
+    threads with a connection each, for ``seconds``; shaped like :func:`wrk_run`'s result.
+
+    PostgreSQL commits concurrent transactions with one flush (group commit), so this
+    grows with the threads; a first execution of ours makes exactly these two writes.
+    """
+    headers, body = json.dumps([["Content-Type", "application/json"]]), b'{"id": "pay_1"}'
+    done: list[int] = []
+    latencies: list[float] = []
+    start = threading.Barrier(threads + 1)
+    stop_at = [0.0]
+
+    def worker() -> None:
+        conn = connect(db_url, driver)
+        cur = conn.cursor()
+        count, own = 0, []
+        try:
+            start.wait()
+            while time.perf_counter() < stop_at[0]:
+                t0 = time.perf_counter()
+                now = int(time.time() * 1000)
+                cur.execute(
+                    f"INSERT INTO {table} (key_digest, scope, fingerprint, method, path, state,"
+                    " lock_token, created_at_ms, expires_at_ms, lease_expires_at_ms)"
+                    " VALUES (%s, 'anonymous', %s, 'POST', '/pay', 'in_progress', %s, %s, %s, %s)"
+                    " ON CONFLICT (key_digest) DO NOTHING RETURNING id",
+                    (uuid.uuid4().hex * 2, "0" * 64, "t", now, now + 86_400_000, now + 60_000),
+                )
+                (record_id,) = cur.fetchone()
+                cur.execute(
+                    f"UPDATE {table} SET state = 'completed', response_status = 201,"
+                    " response_headers = %s, response_body = %s, body_omitted = false,"
+                    " completed_at_ms = %s, lock_token = NULL, lease_expires_at_ms = NULL"
+                    " WHERE id = %s AND lock_token = %s RETURNING expires_at_ms",
+                    (headers, body, now, record_id, "t"),
+                )
+                cur.fetchone()
+                own.append(time.perf_counter() - t0)
+                count += 1
+        finally:
+            conn.close()
+            done.append(count)
+            latencies.extend(own)
+
+    pool = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
+    for thread in pool:
+        thread.start()
+    stop_at[0] = time.perf_counter() + seconds
+    began = time.perf_counter()
+    start.wait()
+    for thread in pool:
+        thread.join()
+    elapsed = time.perf_counter() - began
+    latencies.sort()
+    return {
+        "requests": sum(done),
+        "duration_us": elapsed * 1e6,
+        "rps": sum(done) / elapsed,
+        "p50_us": latencies[len(latencies) // 2] * 1e6 if latencies else 0.0,
+        "p99_us": latencies[int(len(latencies) * 0.99)] * 1e6 if latencies else 0.0,
+        "non2xx": 0,
+        "errors": 0,
+    }
+
+
 def run_throughput(
     servers: dict[str, Gunicorn],
+    db_url: str,
     rounds: int,
     seconds: float,
     connections: int,
@@ -742,13 +907,15 @@ def run_throughput(
     new_share: float,
 ) -> dict[str, Any]:
     """Each cell once per round, shuffled; ratio = req/s ÷ the plain bare route's, same round."""
+    # The ceiling's table, made by the extension (same columns and indexes as ours).
+    WsgiCaller(create_app("ours", database_url=db_url, table="idem_ceiling"), "/pay")("warm")
     with tempfile.NamedTemporaryFile(
         "w", suffix=".lua", prefix="idem-bench-", delete=False
     ) as handle:
         handle.write(WRK_SCRIPT)
     script = Path(handle.name)
     try:
-        for key in ("ours", "ik-redis", "ik-pg"):  # the records the replay-heavy mix replays
+        for key in ("ours", "ours-psycopg", "ik-redis", "ik-pg"):  # what the mix replays
             for i in range(1, replay_keys + 1):
                 _, status, _ = post(servers[key].port, f"mix-{i}")
                 assert status == 201, (key, status)
@@ -758,6 +925,12 @@ def run_throughput(
             order = list(THROUGHPUT_CELLS)
             rng.shuffle(order)
             for server, mode in order:
+                if server.startswith("ceiling-"):
+                    driver = server.removeprefix("ceiling-")
+                    runs[f"{server}:{mode}"].append(
+                        commit_ceiling(db_url, "idem_ceiling", driver, int(mode), seconds)
+                    )
+                    continue
                 runs[f"{server}:{mode}"].append(
                     wrk_run(
                         script,

@@ -8,10 +8,43 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import Path_, ratio_to, summary
-from bench.paths import IDEMKIT_FOR, PATHS
+from bench.paths import DRIVER_PATHS, DRIVERS, IDEMKIT_FOR, PATHS
 
 #: Goals of issue 11, as ratios to each path's floor (the unprotected route: to bare).
 GOALS = {"unprotected": 1.03, "replay-redis": 1.1, "replay-pg": 1.15, "first-redis": 1.2}
+#: Goals of issue 21, on each driver, as ratios to that driver's floor.
+DRIVER_GOALS = {"replay-redis": 1.1, "first-redis": 1.1, "replay-pg": 1.0}
+DRIVER_NAMES = {"psycopg2": "psycopg2", "psycopg": "psycopg 3"}
+
+
+def path_names(key: str, driver: str) -> tuple[str, str]:
+    """The names of (ours, its floor) for ``key`` on ``driver`` (see bench.paths)."""
+    at = "" if driver == "psycopg2" else f"@{driver}"
+    return f"ours{at}:{key}", f"floor{at}:{key}"
+
+
+def analyse_drivers(by: dict[str, Path_]) -> list[dict[str, Any]]:
+    """Per path and driver: ours against that driver's floor and the bare route."""
+    rows = []
+    for key in DRIVER_PATHS:
+        for driver in DRIVERS:
+            ours, floor = path_names(key, driver)
+            if ours not in by or floor not in by:
+                continue
+            rows.append(
+                {
+                    "key": key,
+                    "driver": driver,
+                    "ours": summary(by[ours]),
+                    "floor": summary(by[floor]),
+                    "to_floor": ratio_to(by[ours], by[floor]),
+                    "to_bare": ratio_to(by[ours], by["bare"]),
+                    "floor_to_psycopg2_floor": ratio_to(
+                        by[floor], by[path_names(key, "psycopg2")[1]]
+                    ),
+                }
+            )
+    return rows
 
 
 def analyse(paths: list[Path_]) -> dict[str, Any]:
@@ -49,6 +82,7 @@ def analyse(paths: list[Path_]) -> dict[str, Any]:
             "bare_spread_pct": bare_summary["spread_pct"],
         },
         "rows": rows,
+        "drivers": analyse_drivers(by),
     }
 
 
@@ -94,6 +128,61 @@ def latency_table(result: dict[str, Any], cpu: bool) -> list[str]:
             "" if goal is None or not o else f"≤ {goal}×: {verdict(o['to_floor']['ratio'] <= goal)}"
         )
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def drivers_table(result: dict[str, Any]) -> list[str]:
+    lines = [
+        "| path | driver | floor p50 / p99 µs | ours p50 / p99 µs | ours CPU µs | ours ÷ bare | **ours ÷ floor** | floor ÷ psycopg2's floor | goal |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in result.get("drivers", []):
+        f, o = row["floor"], row["ours"]
+        label = next(lbl for k, lbl, _ in PATHS if k == row["key"])
+        goal = DRIVER_GOALS.get(row["key"])
+        lines.append(
+            f"| {label} | {DRIVER_NAMES[row['driver']]} | {_us(f['p50_us'])} / {_us(f['p99_us'])} |"
+            f" {_us(o['p50_us'])} / {_us(o['p99_us'])} | {_us(o['cpu_us'])} | {_ratio(row['to_bare'])} |"
+            f" **{_ratio(row['to_floor'])}** | {_ratio(row['floor_to_psycopg2_floor'])} |"
+            + ("" if goal is None else f" ≤ {goal}×: {verdict(row['to_floor']['ratio'] <= goal)}")
+            + " |"
+        )
+    return lines
+
+
+def driver_goal_lines(inproc: dict[str, Any], throughput: dict[str, Any] | None) -> list[str]:
+    lines = []
+    for key, goal in DRIVER_GOALS.items():
+        label = next(lbl for k, lbl, _ in PATHS if k == key)
+        parts = [
+            f"{DRIVER_NAMES[row['driver']]} {row['to_floor']['ratio']:.2f}×"
+            f" ({verdict(row['to_floor']['ratio'] <= goal)})"
+            for row in inproc.get("drivers", [])
+            if row["key"] == key
+        ]
+        lines.append(f"- {label} ≤ {goal}× its driver's floor: " + "; ".join(parts) + ".")
+    if throughput and "ik-redis:new" in throughput:
+        ik = throughput["ik-redis:new"]
+        for server, driver in (("ours", "psycopg2"), ("ours-psycopg", "psycopg")):
+            if f"{server}:new" not in throughput:
+                continue
+            ours = throughput[f"{server}:new"]
+            lines.append(
+                f"- All new keys, {DRIVER_NAMES[driver]}, at least idemkit's Redis-only backend:"
+                f" {ours['ratio']:.2f}× bare ({ours['rps']:,.0f} req/s) vs {ik['ratio']:.2f}×"
+                f" ({ik['rps']:,.0f} req/s): {verdict(ours['ratio'] >= ik['ratio'])}."
+            )
+        ceilings = [
+            f"{cell.split(':')[1]} threads {DRIVER_NAMES[cell.split(':')[0].removeprefix('ceiling-')]}"
+            f" {row['rps']:,.0f} pairs/s ({row['ratio']:.2f}× bare's req/s)"
+            for cell, row in throughput.items()
+            if cell.startswith("ceiling-")
+        ]
+        if ceilings:
+            lines.append(
+                "- The ceiling the durable commits set (raw claim + completion pairs, autocommit,"
+                " synchronous commit): " + "; ".join(ceilings) + "."
+            )
     return lines
 
 
@@ -196,6 +285,10 @@ def write(
         "",
         *goal_lines(inproc, http, throughput),
         "",
+        "## Goals per driver (issue 21)",
+        "",
+        *driver_goal_lines(inproc, throughput),
+        "",
         "## 1. In-process latency (a prepared WSGI environ handed to the app)",
         "",
         f"{meta['rounds']} rounds × {meta['per_round']} turns; each turn runs every path once in a freshly shuffled order, so paths are interleaved sample by sample."
@@ -204,6 +297,14 @@ def write(
         " of ours was judged by.",
         "",
         *latency_table(inproc, cpu=True),
+        "",
+        "### Per PostgreSQL driver (issue 21, C51)",
+        "",
+        "The same paths once more on apps whose URL names psycopg 3 (`postgresql+psycopg://`, what"
+        " SQLAlchemy 2.1 picks for a plain `postgresql://`), each against a floor whose round trips"
+        " psycopg 3 makes (autocommit, its defaults), in the same rounds as everything above.",
+        "",
+        *drivers_table(inproc),
         "",
     ]
     lines += ["## 2. Latency over HTTP, one client (gunicorn)", ""]
@@ -233,11 +334,15 @@ def write(
         ]
         names = {
             "plain": "plain Flask app",
-            "ours": "Flask-Idempotency, PostgreSQL + Redis",
+            "ours": "Flask-Idempotency, PostgreSQL (psycopg2) + Redis",
+            "ours-psycopg": "Flask-Idempotency, PostgreSQL (psycopg 3) + Redis",
             "ik-redis": "idemkit 1.0.2, Redis only",
+            "ceiling-psycopg2": "ceiling: raw claim + completion pairs, psycopg2",
+            "ceiling-psycopg": "ceiling: raw claim + completion pairs, psycopg 3",
             "ik-pg": "idemkit 1.0.2, PostgreSQL",
         }
         loads_ = {"bare": "bare route, no key", "mix": "90 % replays", "new": "all new keys"}
+        loads_ |= {"8": "8 threads (pairs/s)", "32": "32 threads (pairs/s)"}
         for cell, row in throughput.items():
             server, mode = cell.split(":")
             lines.append(

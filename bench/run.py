@@ -8,12 +8,15 @@ path measured in the same rounds, the paths are interleaved (each round runs
 every path once, shuffled), and the run reports its own noise: the bare route is
 measured twice per round, and the two must agree. Sections:
 
-1. in-process latency (WSGI calls) per path: floor, ours, idemkit 1.0.2;
+1. in-process latency (WSGI calls) per path: floor, ours, idemkit 1.0.2; our PostgreSQL
+   paths once more with psycopg 3 against a psycopg 3 floor;
 2. the same over HTTP to gunicorn, one client;
-3. throughput under gunicorn with wrk: 90 % replays, all new keys;
+3. throughput under gunicorn with wrk: 90 % replays, all new keys, with psycopg2 and
+   psycopg 3, beside the ceiling the durable commits set (raw claim + completion pairs);
 4. wake-up latency of parked duplicates.
 
-Writes ``bench/results/RESULTS.md`` and ``results.json``.
+Writes ``bench/results/RESULTS.md``, ``results.json`` and the chart ``benchmarks.png``
+(``bench/chart.py --docs`` copies it to ``docs/benchmarks.png``).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import chart, report
 from bench import paths as bench_paths
-from bench import report
 from bench.harness import (
     DEFAULT_DATABASE_URL,
     loadavg,
@@ -125,6 +128,7 @@ def main() -> int:
                         print("3/4 throughput (wrk)", flush=True)
                         throughput = bench_paths.run_throughput(
                             servers,
+                            db_url,
                             args.wrk_rounds,
                             args.wrk_seconds,
                             meta["wrk_connections"],
@@ -157,6 +161,11 @@ def main() -> int:
         )
     )
     print(markdown)
+    try:
+        results = json.loads((args.out / "results.json").read_text())
+        print(f"bench: drew {chart.draw(results, args.out / 'benchmarks.png')}")
+    except ImportError as exc:  # matplotlib is in the bench extra
+        print(f"bench: no chart ({exc}): pip install -e '.[bench]'")
     print(f"bench: wrote {args.out / 'RESULTS.md'} and results.json in {meta['seconds']:.0f} s")
     return 0
 
