@@ -42,8 +42,10 @@ def service_missing(what: str, why: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def pg_url() -> Iterator[URL]:
-    """A private PostgreSQL database for this test session."""
+def pg_database() -> Iterator[URL]:
+    """A private PostgreSQL database for this test session (through the driver of
+    ``IDEMPOTENCY_TEST_DATABASE_URL``); tests take it through ``pg_url``, unless they
+    name the driver themselves."""
     base = make_url(PG_BASE_URL)
     try:
         admin = create_engine(
@@ -79,14 +81,17 @@ def driver_url(url: URL, driver: str) -> URL:
 
 
 @pytest.fixture(scope="session", params=PG_DRIVERS, ids=("psycopg2", "psycopg3"))
-def pg_driver_url(request: pytest.FixtureRequest, pg_url: URL) -> URL:
-    """This session's database through each driver in turn.
+def pg_url(request: pytest.FixtureRequest, pg_database: URL) -> URL:
+    """This session's database through each driver in turn: every test on PostgreSQL
+    runs on psycopg2 and on psycopg 3 (issue 21, C51), the multi-process, chaos and
+    topology tests included. A test about one driver names it on ``pg_database``."""
+    return driver_url(pg_database, str(request.param))
 
-    The store and lifecycle tests (``make_pg_app``) run on both drivers; the slow
-    multi-process tests keep ``pg_url`` (one driver) and tests/deploy runs the
-    gunicorn matrix on both.
-    """
-    return driver_url(pg_url, str(request.param))
+
+@pytest.fixture(scope="session")
+def pg_driver_url(pg_url: URL) -> URL:
+    """``pg_url``, by the name the store and lifecycle tests knew it by."""
+    return pg_url
 
 
 @pytest.fixture
@@ -156,7 +161,7 @@ def make_server_app(request: Any, make_app: Any, pg_table: str) -> Iterator[Any]
     if request.param == "mariadb":
         url = request.getfixturevalue("mysql_url")
     else:
-        url = driver_url(request.getfixturevalue("pg_url"), request.param.split("+")[1])
+        url = driver_url(request.getfixturevalue("pg_database"), request.param.split("+")[1])
     created: list[Any] = []
     yield _app_factory_on(make_app, url, pg_table, created)
     if created:

@@ -155,9 +155,9 @@ def mariadb_clocked(berlin_mariadb: MariaDBServer) -> Iterator[Clocked]:
 
 
 @pytest.fixture(params=["psycopg2", "psycopg"], ids=["psycopg2", "psycopg3"])
-def postgresql_clocked(request: pytest.FixtureRequest, pg_url: URL) -> Iterator[Clocked]:
+def postgresql_clocked(request: pytest.FixtureRequest, pg_database: URL) -> Iterator[Clocked]:
     schema = f"dst_clock_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    admin = create_engine(pg_database, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f"CREATE SCHEMA {schema}"))
         conn.execute(text(f"CREATE TABLE {schema}.fake_now (epoch double precision)"))
@@ -170,7 +170,7 @@ def postgresql_clocked(request: pytest.FixtureRequest, pg_url: URL) -> Iterator[
                 " pg_catalog.statement_timestamp()) $$"
             )
         )
-    url = driver_url(pg_url, str(request.param)).update_query_dict(
+    url = driver_url(pg_database, str(request.param)).update_query_dict(
         {"options": f"-c TimeZone=Europe/Berlin -c search_path=public,{schema},pg_catalog"}
     )
     engine = create_store_engine(url.render_as_string(hide_password=False))

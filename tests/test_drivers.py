@@ -84,10 +84,10 @@ def test_c51_an_installed_driver_passes_the_check() -> None:
 
 
 @pytest.mark.postgres
-def test_c51_a_plain_postgresql_url_serves_requests(pg_url: URL, pg_table: str) -> None:
+def test_c51_a_plain_postgresql_url_serves_requests(pg_database: URL, pg_table: str) -> None:
     """``postgresql://``: whatever driver this SQLAlchemy picks, requests are served."""
     pytest.importorskip(PLAIN_PG_DRIVER)
-    uri = pg_url.set(drivername="postgresql").render_as_string(hide_password=False)
+    uri = pg_database.set(drivername="postgresql").render_as_string(hide_password=False)
     app = _app(uri)
     app.config["IDEMPOTENCY_TABLE"] = pg_table
     Idempotency(app)
@@ -133,7 +133,7 @@ print(sqlalchemy.__version__, driver, first.status_code, again.status_code,
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_c51_the_postgresql_extra_alone_serves_a_plain_url(
-    pg_url: URL, pg_table: str, tmp_path: Any
+    pg_database: URL, pg_table: str, tmp_path: Any
 ) -> None:
     """A fresh virtualenv with only ``.[postgresql]`` (pip picks the SQLAlchemy it picks,
     2.1 today: psycopg 3 for ``postgresql://``) serves a plain URL."""
@@ -156,7 +156,7 @@ def test_c51_the_postgresql_extra_alone_serves_a_plain_url(
         pytest.fail(f"pip install .[postgresql] failed:\n{exc.stdout}\n{exc.stderr}")
     script = tmp_path / "fresh_app.py"
     script.write_text(_FRESH_APP, encoding="utf-8")
-    uri = pg_url.set(drivername="postgresql").render_as_string(hide_password=False)
+    uri = pg_database.set(drivername="postgresql").render_as_string(hide_password=False)
     result = subprocess.run(
         [python, str(script), uri, pg_table],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,

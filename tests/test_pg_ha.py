@@ -108,13 +108,13 @@ def multi_host_url(form: str, driver: str, base: URL, dead: int) -> str:
 @DRIVERS
 @pytest.mark.parametrize("form", ["repeated", "lists", "comma"])
 def test_i25_2_c55_every_multi_host_url_form_reaches_the_live_host(
-    pg_url: URL, make_app: Any, pg_table: str, driver: str, form: str
+    pg_database: URL, make_app: Any, pg_table: str, driver: str, form: str
 ) -> None:
     """``?host=h1:p1&host=h2:p2`` and ``?host=h1,h2&port=p1,p2`` are SQLAlchemy's own forms;
     ``?host=h1:p1,h2:p2`` is libpq's (SQLAlchemy made it the port ``","``), and works too.
     (libpq's ``h1:p1,h2:p2`` in the host part SQLAlchemy cannot parse: ``init_app``
     refuses it, tests/test_store_connect.py.)"""
-    url = multi_host_url(form, driver, driver_url(pg_url, driver), free_port())
+    url = multi_host_url(form, driver, driver_url(pg_database, driver), free_port())
     app = protected_app(make_app, url, pg_table)
     try:
         assert post(app, "k1").status_code == 201
@@ -226,7 +226,7 @@ def test_i25_2_c25_a_read_only_server_is_an_outage_and_its_connections_leave_the
 @DRIVERS
 def test_i25_2_c55_a_primary_demoted_behind_one_address_is_left_for_the_new_one(
     writable: PrivateServer,
-    pg_url: URL,
+    pg_database: URL,
     make_app: Any,
     pg_table: str,
     driver: str,
@@ -235,7 +235,7 @@ def test_i25_2_c55_a_primary_demoted_behind_one_address_is_left_for_the_new_one(
     demoted to the new one: the pooled connections to the old one meet "read-only",
     leave the pool, and the very request that met them is answered through a fresh
     connection to the new primary: 201, not a 503 for every pooled connection."""
-    base = driver_url(pg_url, driver)
+    base = driver_url(pg_database, driver)
     user, database = base.username or "postgres", str(base.database)
     # The old primary: the private server, with this session's database name and user,
     # so that one URL fits both servers.
@@ -302,9 +302,9 @@ def test_i25_2_c25_the_outage_log_line_names_every_hosts_error(
 
 
 @pytest.fixture(params=["psycopg2", "psycopg"], ids=["psycopg2", "psycopg3"])
-def stalling(request: Any, pg_url: URL, make_app: Any, pg_table: str) -> Iterator[Any]:
+def stalling(request: Any, pg_database: URL, make_app: Any, pg_table: str) -> Iterator[Any]:
     """An app whose store is this session's database behind a proxy that can stall."""
-    base = driver_url(pg_url, request.param)
+    base = driver_url(pg_database, request.param)
     proxy = TcpProxy(base.host or "127.0.0.1", base.port or 5432).start()
     url = base.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     app, _ = make_app({"IDEMPOTENCY_DATABASE_URI": url, "IDEMPOTENCY_TABLE": pg_table})

@@ -1,8 +1,9 @@
-"""Round trips to PostgreSQL per request on the psycopg2 path (issue 11).
+"""Round trips to PostgreSQL per request on the direct path of psycopg2 and psycopg 3
+(issues 11, 21).
 
 CONTRACT C8, C9, C14, C26: the claim, the replay and the completion keep their
 guarantees while each costs the one statement it needs. Counted at a loopback
-proxy: psycopg2 waits for each answer before it sends again, so every read the
+proxy: each driver waits for each answer before it sends again, so every read the
 proxy forwards from the client is one round trip.
 """
 
@@ -18,7 +19,6 @@ from sqlalchemy.engine import URL
 from flask_idempotency import idempotent
 from tests.support.tcp_proxy import TcpProxy
 
-from .conftest import driver_url
 from .test_lifecycle import KEY, REPLAYED
 
 pytestmark = pytest.mark.postgres
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.postgres
 
 @pytest.fixture
 def counted(pg_url: URL, make_app: Any) -> Iterator[tuple[TcpProxy, Any]]:
-    base = driver_url(pg_url, "psycopg2")
+    base = pg_url  # each driver in turn (issue 21)
     proxy = TcpProxy(base.host or "127.0.0.1", base.port or 5432).start()
     url = base.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     app, _ = make_app({"IDEMPOTENCY_DATABASE_URI": url, "IDEMPOTENCY_CREATE_TABLE": True})

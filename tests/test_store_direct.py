@@ -30,10 +30,10 @@ pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture(params=PG_DRIVERS, ids=("psycopg2", "psycopg3"))
-def store(pg_url: URL, request: pytest.FixtureRequest) -> Iterator[DurableStore]:
+def store(pg_database: URL, request: pytest.FixtureRequest) -> Iterator[DurableStore]:
     """A store on the direct path of each driver (psycopg 3 as the extension's own engine
     makes it: no preparation by psycopg itself, ``prepare_threshold=None``)."""
-    url = driver_url(pg_url, request.param)
+    url = driver_url(pg_database, request.param)
     name = f"idem_direct_{uuid.uuid4().hex[:10]}"
     args: dict[str, Any] = {"application_name": name}
     if request.param == "psycopg":
@@ -146,9 +146,9 @@ def test_i11_c45_table_dropped_after_verification_is_a_deployment_error(store, r
     assert len(runs) == 2
 
 
-def test_i11_c25_unreachable_database_is_a_store_error(pg_url: URL) -> None:
+def test_i11_c25_unreachable_database_is_a_store_error(pg_database: URL) -> None:
     """C25/C26: a pool that cannot connect raises StoreError (the 503), like SQLAlchemy's path."""
-    url = driver_url(pg_url, "psycopg2").set(host="127.0.0.1", port=1)
+    url = driver_url(pg_database, "psycopg2").set(host="127.0.0.1", port=1)
     broken = DurableStore(lambda: create_engine(url, connect_args={"connect_timeout": 1}))
     broken._verified = True  # straight to the claim's statement
     with pytest.raises(StoreError) as raised:
@@ -179,9 +179,11 @@ def test_i11_statement_instrumentation_keeps_the_sqlalchemy_path(store, runs) ->
     assert len(seen) == 3 and len(runs) == 1, (seen, runs)
 
 
-def test_i11_c9_replay_over_http_through_the_direct_path(pg_url: URL, make_app: Any, runs) -> None:
+def test_i11_c9_replay_over_http_through_the_direct_path(
+    pg_database: URL, make_app: Any, runs
+) -> None:
     """C9: an app on psycopg2 replays from PostgreSQL through the direct path."""
-    url = driver_url(pg_url, "psycopg2").render_as_string(hide_password=False)
+    url = driver_url(pg_database, "psycopg2").render_as_string(hide_password=False)
     app, _ = make_app({"IDEMPOTENCY_DATABASE_URI": url, "IDEMPOTENCY_CREATE_TABLE": True})
     calls: list[int] = []
 
@@ -470,11 +472,11 @@ def test_i11_pool_listeners_still_see_every_checkout(store, runs) -> None:
 
 
 def test_i11_c26_a_pre_pinging_pool_replaces_a_dead_connection_before_the_statement(
-    pg_url: URL, runs
+    pg_database: URL, runs
 ) -> None:
     """``pool_pre_ping=True``: the ping on checkout still runs on the direct path, so a
     connection the server dropped is replaced before the statement (no failed attempt)."""
-    url = driver_url(pg_url, "psycopg2")
+    url = driver_url(pg_database, "psycopg2")
     name = f"idem_ping_{uuid.uuid4().hex[:10]}"
     store = DurableStore(
         lambda: create_engine(

@@ -32,7 +32,7 @@ from sqlalchemy.engine import URL
 from flask_idempotency.store import DurableStore
 from flask_idempotency.store.connect import create_store_engine
 from tests.chaos.chaosapp import ledger_tables
-from tests.conftest import redis_server_binary
+from tests.conftest import driver_url, redis_server_binary
 from tests.support.gunicorn import GunicornServer
 from tests.support.redis_server import RedisServer
 from tests.support.tcp_proxy import TcpProxy
@@ -220,12 +220,20 @@ class ChaosRig:
         self.engine.dispose()
 
 
-@pytest.fixture
-def rig(request: pytest.FixtureRequest, pg_url: URL, tmp_path: Any) -> Iterator[ChaosRig]:
-    """A fresh rig; its store is on ``request.param`` (indirect), PostgreSQL by default."""
-    fixture, database = STORE_DATABASES[getattr(request, "param", "postgresql")]
-    store_url = pg_url if fixture == "pg_url" else request.getfixturevalue(fixture)
-    built = ChaosRig(store_url, pg_url, redis_server_binary(), tmp_path, database=database)
+@pytest.fixture(
+    params=["postgresql", "postgresql+psycopg"], ids=["postgresql", "postgresql-psycopg3"]
+)
+def rig(request: pytest.FixtureRequest, pg_database: URL, tmp_path: Any) -> Iterator[ChaosRig]:
+    """A fresh rig; its store is on ``request.param``: PostgreSQL through psycopg2 and
+    through psycopg 3 by default (issue 21), or what a scenario names (indirect)."""
+    which = str(request.param)
+    base, _, driver = which.partition("+")
+    fixture, database = STORE_DATABASES[base]
+    if fixture == "pg_url":
+        store_url = driver_url(pg_database, driver or "psycopg2")
+    else:
+        store_url = request.getfixturevalue(fixture)
+    built = ChaosRig(store_url, pg_database, redis_server_binary(), tmp_path, database=database)
     try:
         yield built
     finally:

@@ -402,6 +402,7 @@ def assert_redis_back_in_use(
     "rig",
     [
         pytest.param("postgresql", id="postgresql"),
+        pytest.param("postgresql+psycopg", id="postgresql-psycopg3"),
         pytest.param("mariadb", id="mariadb", marks=pytest.mark.mysql),
     ],
     indirect=True,

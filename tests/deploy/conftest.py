@@ -13,7 +13,7 @@ from tests.support.pgbouncer import PgBouncer, pgbouncer_binary
 
 
 @pytest.fixture(scope="session")
-def pgbouncer(pg_url: URL) -> Iterator[PgBouncer]:
+def pgbouncer(pg_database: URL) -> Iterator[PgBouncer]:
     """A real PgBouncer in transaction-pooling mode in front of the test PostgreSQL.
 
     Its pool is smaller than the clients' pools, so server connections really are
@@ -23,7 +23,10 @@ def pgbouncer(pg_url: URL) -> Iterator[PgBouncer]:
     if binary is None:
         service_missing("pgbouncer", "the binary is not installed (apt-get install pgbouncer)")
     bouncer = PgBouncer(
-        str(binary), str(pg_url.host or "127.0.0.1"), int(pg_url.port or 5432), pool_size=4
+        str(binary),
+        str(pg_database.host or "127.0.0.1"),
+        int(pg_database.port or 5432),
+        pool_size=4,
     )
     bouncer.start()
     try:

@@ -188,8 +188,8 @@ def matrix_redis(redis_binary: str, session_tmp: Path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="session")
-def admin_engine(pg_url: URL) -> Iterator[Engine]:
-    engine = create_store_engine(pg_url.render_as_string(hide_password=False), pool_size=2)
+def admin_engine(pg_database: URL) -> Iterator[Engine]:
+    engine = create_store_engine(pg_database.render_as_string(hide_password=False), pool_size=2)
     try:
         yield engine
     finally:
@@ -230,8 +230,8 @@ def _write_report() -> Iterator[None]:
     (directory / "deploy-matrix.md").write_text("\n".join(lines) + "\n")
 
 
-def database_url(cell: Cell, pg_url: URL, pgbouncer: Callable[[], PgBouncer]) -> URL:
-    url = driver_url(pg_url, cell.driver)
+def database_url(cell: Cell, pg_database: URL, pgbouncer: Callable[[], PgBouncer]) -> URL:
+    url = driver_url(pg_database, cell.driver)
     return pgbouncer().route(url) if cell.pooler == "pgbouncer" else url
 
 
@@ -239,7 +239,7 @@ def database_url(cell: Cell, pg_url: URL, pgbouncer: Callable[[], PgBouncer]) ->
 def test_i10_3_c8_c11_deployment_cell_runs_each_key_once(
     cell: Cell,
     request: pytest.FixtureRequest,
-    pg_url: URL,
+    pg_database: URL,
     admin_engine: Engine,
     redis_binary: str,
     session_tmp: Path,
@@ -258,7 +258,7 @@ def test_i10_3_c8_c11_deployment_cell_runs_each_key_once(
             redis = own_redis
         else:
             redis = request.getfixturevalue("matrix_redis")
-        url = database_url(cell, pg_url, lambda: request.getfixturevalue("pgbouncer"))
+        url = database_url(cell, pg_database, lambda: request.getfixturevalue("pgbouncer"))
         env = {
             "DATABASE_URL": url.render_as_string(hide_password=False),
             "IDEM_TABLE": table,

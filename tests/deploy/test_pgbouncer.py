@@ -33,10 +33,10 @@ REQUESTS_PER_THREAD = 12
 @pytest.mark.slow
 @pytest.mark.parametrize("driver", PG_DRIVERS, ids=("psycopg2", "psycopg3"))
 def test_i10_1_c25_store_behind_pgbouncer_transaction_pooling_has_no_errors(
-    make_app: Any, pg_url: URL, pgbouncer: PgBouncer, driver: str
+    make_app: Any, pg_database: URL, pgbouncer: PgBouncer, driver: str
 ) -> None:
     """C8/C25: many threads claim, complete and replay through PgBouncer: no 5xx, no 503."""
-    url = pgbouncer.route(driver_url(pg_url, driver))
+    url = pgbouncer.route(driver_url(pg_database, driver))
     table = f"idem_bouncer_{uuid.uuid4().hex[:10]}"
     app, _ = make_app(
         {
