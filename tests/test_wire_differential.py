@@ -1,0 +1,347 @@
+"""Differential tests of the hand-written wire code against the libraries it stands in for
+(issue 21 item 3; CONTRACT C51).
+
+:mod:`flask_idempotency._wire` writes by hand some of what psycopg2, psycopg 3 and
+redis-py would otherwise write. Each test here fuzzes values (hypothesis, derandomized:
+the same examples on every run, so a CI verdict does not depend on luck) and asserts that
+the hand-written side gives exactly what the library gives:
+
+* psycopg2 (``_wire/psycopg2.py``): :func:`_literal` and every compiled store statement
+  (``executed`` and ``plain``) byte for byte as ``cursor.mogrify`` writes them, under every
+  client encoding PostgreSQL accepts from psycopg2 and ``standard_conforming_strings`` on
+  and off; a value an encoding cannot carry (or a NUL) fails the same way on both sides;
+  and the server reads a written literal exactly as it reads psycopg2's own parameter.
+* psycopg 3 (``_wire/psycopg.py``): it binds through psycopg but sends statement texts
+  it encoded itself; rows and column names come back as from psycopg's own cursor,
+  prepared or not, and through the client-side-binding cursor of the asynchronous claim.
+* Redis (``_wire/redis.py``): the pre-packed ``GET`` is byte for byte redis-py's
+  ``pack_command``, and the reader's replies (one by one, or with error replies kept as
+  values) are what redis-py's own client reads, in RESP2 and RESP3.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import create_engine
+from sqlalchemy.engine import URL
+
+from flask_idempotency.store import DurableStore
+
+from .conftest import driver_url
+
+#: Every encoding of PostgreSQL 15 (``pg_encoding_to_char(0..41)``): checked against the
+#: server by :func:`test_i21_3_every_postgresql_encoding_is_covered`.
+POSTGRES_ENCODINGS = (
+    "SQL_ASCII", "EUC_JP", "EUC_CN", "EUC_KR", "EUC_TW", "EUC_JIS_2004", "UTF8",
+    "MULE_INTERNAL", "LATIN1", "LATIN2", "LATIN3", "LATIN4", "LATIN5", "LATIN6", "LATIN7",
+    "LATIN8", "LATIN9", "LATIN10", "WIN1256", "WIN1258", "WIN866", "WIN874", "KOI8R",
+    "WIN1251", "WIN1252", "ISO_8859_5", "ISO_8859_6", "ISO_8859_7", "ISO_8859_8", "WIN1250",
+    "WIN1253", "WIN1254", "WIN1255", "WIN1257", "KOI8U", "SJIS", "BIG5", "GBK", "UHC",
+    "GB18030", "JOHAB", "SHIFT_JIS_2004",
+)  # fmt: skip
+#: Client encodings a psycopg2 connection to a UTF8 database cannot use at all: psycopg2
+#: knows no Python codec for EUC_TW, and the server converts no UTF8 to MULE_INTERNAL.
+#: (Neither can the store's engine then: nothing is written in them.)
+NOT_CLIENT_ENCODINGS = ("EUC_TW", "MULE_INTERNAL")
+CLIENT_ENCODINGS = tuple(e for e in POSTGRES_ENCODINGS if e not in NOT_CLIENT_ENCODINGS)
+#: Encodings where Python's codec (psycopg2's side) and PostgreSQL's conversion disagree
+#: on some characters (SJIS: "¢" comes back "￠"; SHIFT_JIS_2004: "~" comes back "‾"),
+#: or where the server refuses some characters Python encodes: psycopg2's own parameters
+#: do not round-trip there either. Everywhere else text comes back exactly.
+INEXACT_ENCODINGS = frozenset(
+    {"EUC_JP", "EUC_KR", "EUC_JIS_2004", "SJIS", "BIG5", "JOHAB", "SHIFT_JIS_2004"}
+)
+
+FUZZ = settings(
+    deadline=None,
+    derandomize=True,  # the same examples on every run
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+#: Text as it breaks quoting: quotes, backslashes, placeholders, NUL, non-ASCII.
+AWKWARD = st.sampled_from(
+    ["'", "''", "\\", "\\'", "E'", "%", "%%", "%s", "%(p_scope)s", "\x00", "\\x00", "~", "é",
+     "€", "¥", "‾", "\u3000", "表", "ソ", "\U0001f600", "\t", "\n", "\r", "\x7f", " -1"]
+)  # fmt: skip
+TEXT = st.one_of(
+    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=30),  # plain
+    st.text(st.characters(codec="utf-8"), max_size=30),
+    st.lists(st.one_of(AWKWARD, st.text(max_size=4)), max_size=8).map("".join),
+)
+#: Any value a statement could be given (lone surrogates too: the store escapes them, see
+#: ``records.storable``, but the literal writer must still fail as psycopg2 does).
+VALUE = st.one_of(
+    TEXT,
+    st.sampled_from(["lone\udcff", "\ud800"]),
+    st.integers(min_value=-(2**200), max_value=2**200),
+    st.integers(min_value=-5, max_value=2**63),
+    st.booleans(),
+    st.none(),
+    st.binary(max_size=30),
+    st.binary(max_size=30).map(memoryview),
+    st.floats(),
+)
+
+
+def outcome(write: Callable[..., Any], *args: Any) -> Any:
+    """What ``write(*args)`` gives: its result, or the failure's type and message."""
+    try:
+        return write(*args)
+    except (UnicodeEncodeError, ValueError) as exc:  # not encodable here; a NUL in text
+        return type(exc), str(exc)
+
+
+# -- psycopg2 --------------------------------------------------------------------------
+
+
+def libpq_url(url: URL) -> str:
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@contextmanager
+def psycopg2_cursor(pg_url: URL, encoding: str, conforming: str) -> Iterator[Any]:
+    """A cursor of a psycopg2 connection in ``encoding`` with ``standard_conforming_strings``
+    set to ``conforming`` (libpq's quoting follows the setting the server reports)."""
+    import psycopg2
+
+    conn = psycopg2.connect(libpq_url(pg_url))
+    try:
+        conn.autocommit = True
+        conn.set_client_encoding(encoding)
+        cursor = conn.cursor()
+        cursor.execute(f"SET standard_conforming_strings = {conforming}")
+        assert conn.get_parameter_status("standard_conforming_strings") == conforming
+        yield cursor
+    finally:
+        conn.close()
+
+
+@pytest.mark.postgres
+def test_i21_3_every_postgresql_encoding_is_covered(pg_url: URL) -> None:
+    """The encodings the tests below run through are all of the server's, and the two
+    they leave out cannot be a psycopg2 connection's client encoding at all."""
+    import psycopg2
+
+    with psycopg2_cursor(pg_url, "UTF8", "on") as cursor:
+        cursor.execute(
+            "SELECT pg_encoding_to_char(i) FROM generate_series(0, 63) AS i"
+            " WHERE pg_encoding_to_char(i) <> ''"
+        )
+        assert tuple(row[0] for row in cursor.fetchall()) == POSTGRES_ENCODINGS
+        cursor.execute("SHOW server_encoding")
+        assert cursor.fetchone()[0] == "UTF8"
+        for encoding in NOT_CLIENT_ENCODINGS:
+            with pytest.raises((psycopg2.OperationalError, psycopg2.NotSupportedError)):
+                cursor.connection.set_client_encoding(encoding)
+            cursor.connection.rollback()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("encoding", CLIENT_ENCODINGS)
+def test_i21_3_literals_are_written_as_psycopg2_writes_them_in_every_encoding(
+    pg_url: URL, encoding: str
+) -> None:
+    """``_literal(cursor, v) == cursor.mogrify("%s", (v,))`` byte for byte, for fuzzed
+    values of every kind, in ``encoding`` with ``standard_conforming_strings`` on and off;
+    a value the encoding cannot carry, or text with a NUL, fails the same way on both."""
+    from flask_idempotency._wire.psycopg2 import _literal
+
+    for conforming in ("on", "off"):
+        with psycopg2_cursor(pg_url, encoding, conforming) as cursor:
+
+            @settings(FUZZ, max_examples=25)
+            @given(st.lists(VALUE, min_size=1, max_size=8))
+            @example(["~", "a~b", "\\", "o'brien", "é", "", -1, 2**62, None, True, b"\x00'\\"])
+            def check(values: list[Any]) -> None:
+                for value in values:
+                    written = outcome(_literal, cursor, value)
+                    assert written == outcome(cursor.mogrify, "%s", (value,)), value
+
+            check()
+
+
+@pytest.fixture(scope="module")
+def psycopg2_statements(pg_url: URL) -> Iterator[dict[str, Any]]:
+    """The store's direct-path statements, compiled for psycopg2, by the names the store
+    caches them under (as ``store/sql.py`` builds them)."""
+    name = f"idem_wire_{uuid.uuid4().hex[:10]}"
+    url = driver_url(pg_url, "psycopg2")
+    store = DurableStore(lambda: create_engine(url, pool_size=1), table_name=name)
+    try:
+        store.create_table()
+        direct = store._direct()
+        assert direct is not None, "the store takes the direct path on psycopg2"
+        at_once = store._at_once_statement
+        yield {
+            "claim": store._direct_sql("claim", at_once),
+            "claim_async": store._direct_sql(
+                "claim_async", at_once, prefix=direct.async_claim_prefix
+            ),
+            "get": store._direct_sql("get", store._select_statement),
+            "complete": store._direct_sql("complete", store._complete_statement),
+            "applied": store._direct_sql("applied", store._applied_statement),
+            "release": store._direct_sql(
+                "release", lambda: store._release_statement().returning(store.table.c.id)
+            ),
+            "exists": store._direct_sql("exists", store._exists_statement),
+        }
+    finally:
+        store.table.drop(store.engine, checkfirst=True)
+        store.identity_table.drop(store.engine, checkfirst=True)
+        store.engine.dispose()
+
+
+HEX = st.text("0123456789abcdef", min_size=64, max_size=64)
+PLAIN = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=20)
+ODD = st.one_of(VALUE, st.sampled_from([-1, -(2**62), None, True, 1.5, "12", b"ab"]))
+#: A run's values: mostly what the store sends (hex digests, plain text, non-negative
+#: integers: the one-step typed template), any of them sometimes anything at all.
+PARAMS = st.fixed_dictionaries(
+    {
+        "p_key_digest": st.one_of(HEX, ODD),
+        "p_fingerprint": st.one_of(HEX, ODD),
+        "p_scope": st.one_of(PLAIN, TEXT, ODD),
+        "p_method": st.one_of(st.sampled_from(["POST", "PUT", "PATCH"]), ODD),
+        "p_path": st.one_of(PLAIN, TEXT, ODD),
+        "p_lock_token": st.one_of(HEX, PLAIN, ODD),
+        "p_ttl_ms": st.one_of(st.integers(0, 2**40), ODD),
+        "p_lease_ms": st.one_of(st.integers(0, 2**40), ODD),
+        "p_record_id": st.one_of(st.integers(0, 2**63 - 1), ODD),
+        "p_status": st.one_of(st.integers(100, 599), ODD),
+        "p_headers": st.one_of(st.just("[]"), TEXT, ODD),
+        "p_body": st.one_of(st.binary(max_size=40), ODD),
+        "p_body_omitted": st.one_of(st.booleans(), ODD),
+    }
+)
+
+
+#: What the store sends in a run: hex digests, plain text, non-negative integers.
+STORE_SENDS = {
+    "p_key_digest": "a" * 64,
+    "p_fingerprint": "f" * 64,
+    "p_scope": "anonymous",
+    "p_method": "POST",
+    "p_path": "/pay",
+    "p_lock_token": "t" * 32,
+    "p_ttl_ms": 86_400_000,
+    "p_lease_ms": 30_000,
+    "p_record_id": 7,
+    "p_status": 201,
+    "p_headers": '[["Content-Type","application/json"]]',
+    "p_body": b"{}",
+    "p_body_omitted": False,
+}
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("encoding", CLIENT_ENCODINGS)
+def test_i21_3_statements_are_written_as_psycopg2_writes_them_in_every_encoding(
+    pg_url: URL, psycopg2_statements: dict[str, Any], encoding: str
+) -> None:
+    """Each store statement's ``EXECUTE`` and plain text, with fuzzed values, byte for byte
+    ``cursor.mogrify(template, values)`` in ``encoding``, ``standard_conforming_strings``
+    on and off (both the one-step typed template and the value-by-value writing)."""
+    for conforming in ("on", "off"):
+        with psycopg2_cursor(pg_url, encoding, conforming) as cursor:
+
+            @settings(FUZZ, max_examples=15)
+            @given(PARAMS)
+            @example(STORE_SENDS | {"p_scope": "~user", "p_path": "/a~b"})  # the typed template
+            @example(STORE_SENDS | {"p_scope": "o'brien\\", "p_path": "/é", "p_ttl_ms": -1})
+            def check(params: dict[str, Any]) -> None:
+                for name, statement in psycopg2_statements.items():
+                    for write, filled in (
+                        (statement.executed, statement._execute),
+                        (statement.plain, statement._plain),
+                    ):
+                        template = filled._any.decode()
+                        expected = outcome(cursor.mogrify, template, filled._get(params))
+                        assert outcome(write, cursor, params) == expected, (name, params)
+
+            check()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("encoding", CLIENT_ENCODINGS)
+def test_i21_3_the_server_reads_a_written_literal_as_psycopg2s_own_parameter(
+    pg_url: URL, encoding: str
+) -> None:
+    """Not only the same bytes as mogrify: ``SELECT <literal>`` of fuzzed text gives what
+    ``SELECT %s`` with psycopg2's own parameter gives (the value, in the server's own
+    UTF-8, or the same error), and in every encoding whose characters Python and
+    PostgreSQL map alike, exactly the text written."""
+    import psycopg2
+
+    from flask_idempotency._wire.psycopg2 import _literal
+
+    def select(cursor: Any, query: Any, params: Any = None) -> Any:
+        try:
+            cursor.execute(query, params)
+        except psycopg2.DataError as exc:  # a character the server cannot convert
+            return exc.pgcode
+        return cursor.fetchone()
+
+    for conforming in ("on", "off"):
+        with psycopg2_cursor(pg_url, encoding, conforming) as cursor:
+
+            @settings(FUZZ, max_examples=12)
+            @given(st.lists(TEXT, min_size=1, max_size=6))
+            @example(["~", "\\", "o'brien\\", "%(x)s %", "é€¥‾", "表ソ", "\\'; SELECT 1; --"])
+            def check(texts: list[str]) -> None:
+                for text in texts:
+                    try:
+                        literal = _literal(cursor, text)
+                    except (UnicodeEncodeError, ValueError):
+                        continue  # as mogrify fails (the test above): nothing is sent
+                    # Without parameters psycopg2 sends the statement as it is.
+                    ours = select(cursor, b"SELECT %b, convert_to(%b, 'UTF8')" % (literal, literal))
+                    reference = select(cursor, "SELECT %s, convert_to(%s, 'UTF8')", (text, text))
+                    if isinstance(ours, tuple):
+                        ours = (ours[0], bytes(ours[1]))
+                        reference = (reference[0], bytes(reference[1]))
+                    assert ours == reference, text
+                    if encoding not in INEXACT_ENCODINGS:
+                        assert ours == (text, text.encode("utf-8")), text
+
+            check()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_i21_3_a_table_name_the_client_encoding_writes_differently_still_works(
+    pg_url: URL, driver: str
+) -> None:
+    """The direct path sends its statements as UTF-8 bytes it encoded once; a table name
+    that is not ASCII, on a connection whose client encoding is not UTF8, reached the
+    server as another name ("relation "idem_Ã©_..." does not exist": a deployment error
+    on every request). Such a store keeps SQLAlchemy's ordinary path."""
+    from flask_idempotency.records import Identity, Record, StoredResponse
+
+    url = driver_url(pg_url, driver).update_query_dict({"client_encoding": "latin1"})
+    name = f"idem_é_{uuid.uuid4().hex[:8]}"
+    args = {"prepare_threshold": None} if driver == "psycopg" else {}
+    store = DurableStore(
+        lambda: create_engine(url, pool_size=2, connect_args=args),
+        table_name=name,
+        create_table=True,
+    )
+    try:
+        ident = Identity("anonymous", "a" * 64, "f" * 64, "POST", "/é")
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        response = StoredResponse(201, (("Content-Type", "text/plain"),), b"ok")
+        assert store.complete(claim, response) == claim.expires_at_ms
+        replay = store.acquire(ident, ttl=60, lease=30)
+        assert isinstance(replay, Record) and replay.response == response
+    finally:
+        store.table.drop(store.engine, checkfirst=True)
+        store.identity_table.drop(store.engine, checkfirst=True)
+        store.engine.dispose()
