@@ -196,8 +196,10 @@ def _tuple_of(keys: Sequence[Any]) -> Callable[[Any], tuple[Any, ...]]:
 
 
 #: Text that is a valid SQL string literal between single quotes whatever the server's
-#: ``standard_conforming_strings``: printable ASCII without ``'`` or ``\``.
-_PLAIN_TEXT = re.compile(r"[ -&(-\[\]-~]*").fullmatch
+#: ``standard_conforming_strings``, and that every client encoding's Python codec writes
+#: as ASCII: printable ASCII without ``'`` or ``\``, nor ``~`` (psycopg2 writes it 0x81B0
+#: in SHIFT_JIS_2004, as Python's codec does; tests/test_wire_differential.py).
+_PLAIN_TEXT = re.compile(r"[ -&(-\[\]-}]*").fullmatch
 
 
 def _plain_literal(value: Any) -> bytes | None:
