@@ -335,6 +335,7 @@ def test_i21_3_a_table_name_the_client_encoding_writes_differently_still_works(
     )
     try:
         ident = Identity("anonymous", "a" * 64, "f" * 64, "POST", "/é")
+        assert store._direct() is None, "SQLAlchemy's path encodes the SQL for the connection"
         claim = store.acquire(ident, ttl=60, lease=30)
         assert not isinstance(claim, Record)
         response = StoredResponse(201, (("Content-Type", "text/plain"),), b"ok")
