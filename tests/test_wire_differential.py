@@ -346,3 +346,146 @@ def test_i21_3_a_table_name_the_client_encoding_writes_differently_still_works(
         store.table.drop(store.engine, checkfirst=True)
         store.identity_table.drop(store.engine, checkfirst=True)
         store.engine.dispose()
+
+
+# -- psycopg 3 -------------------------------------------------------------------------
+
+
+@contextmanager
+def psycopg_connection(pg_url: URL, encoding: str, conforming: str) -> Iterator[Any]:
+    """A psycopg 3 connection as the store's engine makes it (autocommit, no preparation
+    by psycopg itself) in ``encoding``, ``standard_conforming_strings`` ``conforming``."""
+    import psycopg
+
+    conn = psycopg.connect(
+        libpq_url(pg_url), autocommit=True, prepare_threshold=None, client_encoding=encoding
+    )
+    try:
+        conn.execute(f"SET standard_conforming_strings = {conforming}")
+        yield conn
+    finally:
+        conn.close()
+
+
+def psycopg_statement(pg_url: URL, prefix: str) -> tuple[Any, Any]:
+    """A statement of every kind of value the store binds (and a constant of its own, as
+    the claim's state), compiled for the direct path; and its SQLAlchemy compilation."""
+    from sqlalchemy import BigInteger, Boolean, Float, LargeBinary, Text, bindparam, literal, select
+
+    from flask_idempotency._wire.psycopg import PsycopgSQL
+
+    statement = select(
+        bindparam("p_text", type_=Text).label("text"),
+        bindparam("p_int", type_=BigInteger).label("number"),
+        bindparam("p_body", type_=LargeBinary).label("body"),
+        bindparam("p_flag", type_=Boolean).label("flag"),
+        bindparam("p_float", type_=Float).label("real"),
+        literal("in_progress ~ o'brien %").label("state"),
+    )
+    engine = create_engine(driver_url(pg_url, "psycopg"))
+    try:
+        compiled = statement.compile(dialect=engine.dialect)
+    finally:
+        engine.dispose()
+    return PsycopgSQL(compiled, None, prefix), compiled
+
+
+def psycopg_outcome(run: Callable[..., Any], *args: Any) -> Any:
+    """``run(*args)``: the row and column names it gives, or its failure's type and SQLSTATE."""
+    import psycopg
+
+    try:
+        return run(*args)
+    except (psycopg.Error, UnicodeEncodeError, ValueError) as exc:
+        return type(exc), getattr(exc, "sqlstate", None)
+
+
+def described(cursor: Any, row: Any) -> tuple[Any, list[str]]:
+    return row, [column.name for column in cursor.description]
+
+
+def psycopg_own(cursor: Any, query: str, values: list[Any]) -> Any:
+    """psycopg's own cursor running the statement as text (psycopg encodes it)."""
+    return described(cursor, cursor.execute(query, values).fetchone())
+
+
+def psycopg_own_prefixed(client: Any, query: str, values: list[Any]) -> Any:
+    """psycopg's client-side-binding cursor running the setting and the statement as text."""
+    client.execute(query, values)
+    client.nextset()
+    return described(client, client.fetchone())
+
+
+def direct_run(
+    cursor: Any, info: dict[str, Any], statement: Any, params: Any, prepare: bool
+) -> Any:
+    from flask_idempotency._wire import psycopg as wire
+
+    row = wire.fetchone(cursor, info, statement, params, prepare)
+    # The asynchronous claim runs on the connection's client-side-binding cursor.
+    return described(info.get(wire._CLIENT_CURSOR, cursor), row)
+
+
+#: The asynchronous claim's setting (``IDEMPOTENCY_ASYNC_CLAIM``), run before a statement.
+ASYNC_PREFIX = "SET LOCAL synchronous_commit = off; "
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("encoding", CLIENT_ENCODINGS)
+def test_i21_3_psycopg3_statements_give_what_psycopgs_own_cursor_gives(
+    pg_url: URL, encoding: str
+) -> None:
+    """``_wire/psycopg.py`` binds through psycopg but sends a statement text it encoded
+    once (UTF-8 bytes): for fuzzed values, its plain, prepared, pipelined (first use on a
+    connection) and prefixed (the asynchronous claim, psycopg's client-side binding) runs
+    give the rows and column names psycopg's own cursors give for the statement as text,
+    or fail the same way, in ``encoding`` with ``standard_conforming_strings`` on and off."""
+    import psycopg
+
+    from flask_idempotency._wire import psycopg as wire
+
+    if not wire.USABLE:
+        pytest.fail("this psycopg lacks what the direct path uses")
+    direct, compiled = psycopg_statement(pg_url, "")
+    prefixed, _ = psycopg_statement(pg_url, ASYNC_PREFIX)
+    text_query = wire._PLACEHOLDER.sub("%s", compiled.string)
+    names = wire._PLACEHOLDER.findall(compiled.string)
+
+    def fuzz_on(conn: Any) -> None:
+        cursor = conn.cursor()
+        client = psycopg.ClientCursor(conn)
+        kept: dict[str, Any] = {}  # the pooled connection's info: prepared once
+
+        @settings(FUZZ, max_examples=10)
+        @given(
+            st.fixed_dictionaries(
+                {
+                    "p_text": st.one_of(TEXT, st.none()),
+                    "p_int": st.one_of(st.integers(-(2**64), 2**64), st.none()),
+                    "p_body": st.one_of(st.binary(max_size=40), st.none()),
+                    "p_flag": st.one_of(st.booleans(), st.none()),
+                    "p_float": st.one_of(st.floats(allow_nan=False), st.none()),
+                }
+            )
+        )
+        @example({"p_text": "é~\\'%", "p_int": -1, "p_body": b"\x00", "p_flag": 1, "p_float": 1.5})
+        @example(
+            {"p_text": "a\x00b", "p_int": 2**63, "p_body": b"", "p_flag": None, "p_float": -0.0}
+        )
+        def check(params: dict[str, Any]) -> None:
+            values = [{**compiled.params, **params}[name] for name in names]
+            reference = psycopg_outcome(psycopg_own, cursor, text_query, values)
+            for prepare, info in ((False, {}), (True, kept), (True, {})):
+                ours = psycopg_outcome(direct_run, cursor, info, direct, params, prepare)
+                assert ours == reference, (prepare, params)
+            reference = psycopg_outcome(
+                psycopg_own_prefixed, client, ASYNC_PREFIX + text_query, values
+            )
+            ours = psycopg_outcome(direct_run, cursor, {}, prefixed, params, True)
+            assert ours == reference, ("prefixed", params)
+
+        check()
+
+    for conforming in ("on", "off"):
+        with psycopg_connection(pg_url, encoding, conforming) as conn:
+            fuzz_on(conn)
