@@ -489,3 +489,153 @@ def test_i21_3_psycopg3_statements_give_what_psycopgs_own_cursor_gives(
     for conforming in ("on", "off"):
         with psycopg_connection(pg_url, encoding, conforming) as conn:
             fuzz_on(conn)
+
+
+# -- Redis -----------------------------------------------------------------------------
+
+
+class _Sent:
+    """A pooled connection that keeps what is sent on it (for :class:`_Reader`)."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send_packed_command(self, packed: Any) -> None:
+        self.sent.append(packed)
+
+    def read_response(self) -> None:
+        return None
+
+    def disconnect(self) -> None:  # pragma: no cover - nothing fails here
+        pass
+
+
+class _OnePool:
+    max_connections = 4
+    connection_class = object
+
+    def __init__(self) -> None:
+        self.connection = _Sent()
+
+    def get_connection(self) -> _Sent:
+        return self.connection
+
+    def release(self, conn: _Sent) -> None:  # pragma: no cover - kept aside, not released
+        pass
+
+
+@settings(FUZZ, max_examples=300)
+@given(st.one_of(st.binary(max_size=80), st.text(st.characters(codec="utf-8"), max_size=40)))
+@example(b"")
+@example(b"*1\r\n$3\r\nGET\r\n")
+@example(b"k" * 7000)  # redis-py sends a value above 6000 bytes as a buffer of its own
+@example("clé:\x00\r\n")
+def test_i21_3_the_pre_packed_get_is_redis_pys_own_packing(name: bytes | str) -> None:
+    """``_Reader.get`` writes ``GET`` by hand: byte for byte what redis-py's
+    ``Connection.pack_command`` writes for the same key (a text key as the cache and the
+    cluster pass it, UTF-8 encoded, as redis-py's default encoder encodes it)."""
+    from redis.connection import Connection
+
+    from flask_idempotency._wire.redis import _Reader
+
+    pool = _OnePool()
+    key = name.encode("utf-8") if isinstance(name, str) else name
+    assert _Reader(pool).get(key) is None
+    [packed] = pool.connection.sent
+    assert b"".join(packed) == b"".join(Connection().pack_command("GET", name))
+
+
+#: Keys the fuzzed commands share (so they meet each other's values and types).
+REDIS_KEYS = (b"k", b"h", b"s", b"l", b"z", "clé", b"\r\n$3\r\nGET\r\n\x00")
+REDIS_VALUE = st.one_of(
+    st.binary(max_size=30),
+    st.text(st.characters(codec="utf-8"), max_size=10),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+)
+REDIS_KEY = st.sampled_from(REDIS_KEYS)
+REDIS_SCORE = st.floats(allow_nan=False)
+#: Commands whose replies are of every type: simple strings, bulk strings, nil, integers,
+#: doubles (RESP3), arrays, maps and sets (RESP3), and error replies (wrong type, not an
+#: integer, unknown command, a negative expiry).
+REDIS_COMMAND = st.one_of(
+    st.tuples(st.just("SET"), REDIS_KEY, REDIS_VALUE),
+    st.tuples(st.just("SET"), REDIS_KEY, REDIS_VALUE, st.just("PX"), st.integers(-1, 10**6)),
+    st.tuples(st.sampled_from(["GET", "EXISTS", "DEL", "INCR", "STRLEN", "TYPE"]), REDIS_KEY),
+    st.tuples(st.sampled_from(["HGETALL", "SMEMBERS", "TTL"]), REDIS_KEY),
+    st.tuples(st.just("APPEND"), REDIS_KEY, REDIS_VALUE),
+    st.tuples(st.just("HSET"), REDIS_KEY, REDIS_VALUE, REDIS_VALUE),
+    st.tuples(st.just("SADD"), REDIS_KEY, REDIS_VALUE),
+    st.tuples(st.just("RPUSH"), REDIS_KEY, REDIS_VALUE),
+    st.tuples(st.just("LRANGE"), REDIS_KEY, st.just(0), st.just(-1)),
+    st.tuples(st.just("ZADD"), REDIS_KEY, REDIS_SCORE, REDIS_VALUE),
+    st.tuples(st.just("ZSCORE"), REDIS_KEY, REDIS_VALUE),
+    st.tuples(st.just("ZRANGE"), REDIS_KEY, st.just(0), st.just(-1), st.just("WITHSCORES")),
+    st.tuples(st.just("INCRBYFLOAT"), REDIS_KEY, st.floats(-1e6, 1e6)),
+    st.tuples(st.sampled_from(["ECHO", "NOSUCHCOMMAND"]), REDIS_VALUE),
+)
+
+
+def redis_outcome(value: Any) -> Any:
+    """A reply as compared: an error reply by its type and message."""
+    if isinstance(value, Exception):
+        return type(value), str(value)
+    return value
+
+
+@pytest.mark.parametrize("protocol", [2, 3], ids=["resp2", "resp3"])
+def test_i21_3_replies_read_by_the_reader_are_what_redis_py_reads(
+    redis_server: Any, protocol: int
+) -> None:
+    """Fuzzed commands sent together by the reader (``run_together``: error replies kept
+    as values, every reply read) give, reply for reply, what redis-py's own client gives
+    for each command (its response callbacks off: the raw reply, as the reader returns
+    it); and the hand-packed ``GET`` of every key returns, or raises, what ``client.get``
+    does. Two databases of one server hold the same data: the reader's and redis-py's."""
+    import redis
+
+    from flask_idempotency._wire.redis import _reader_for
+
+    base = redis_server.url.rsplit("/", 1)[0]
+    ours = redis.Redis.from_url(f"{base}/0", protocol=protocol)
+    theirs = redis.Redis.from_url(f"{base}/1", protocol=protocol)
+    theirs.response_callbacks.clear()  # the parsed reply itself, not a Python convenience
+    reader = _reader_for(ours)
+    assert reader is not None, "a plain client reads through the fast path"
+
+    def own(command: tuple[Any, ...]) -> Any:
+        try:
+            return theirs.execute_command(*command)
+        except redis.ResponseError as exc:
+            return exc
+
+    def own_get(key: bytes) -> Any:
+        try:
+            return theirs.get(key)
+        except redis.ResponseError as exc:
+            return exc
+
+    def fast_get(key: bytes) -> Any:
+        try:
+            return reader.get(key)
+        except redis.ResponseError as exc:
+            return exc
+
+    @settings(FUZZ, max_examples=60)
+    @given(st.lists(REDIS_COMMAND, min_size=1, max_size=8))
+    @example([("SET", b"k", b"v"), ("INCR", b"k"), ("GET", b"k"), ("RPUSH", b"l", 1)])
+    @example([("HSET", b"h", "f", 1.5), ("HGETALL", b"h"), ("ZADD", b"z", 0.5, b"m")])
+    def check(commands: list[tuple[Any, ...]]) -> None:
+        ours.flushall()
+        replies = reader.run_together(commands)
+        expected = [own(command) for command in commands]
+        assert [redis_outcome(r) for r in replies] == [redis_outcome(r) for r in expected]
+        for name in REDIS_KEYS:
+            key = name.encode("utf-8") if isinstance(name, str) else name
+            assert redis_outcome(fast_get(key)) == redis_outcome(own_get(key)), key
+
+    try:
+        check()
+    finally:
+        ours.close()
+        theirs.close()
