@@ -110,9 +110,10 @@ def libpq_url(url: URL) -> str:
 def psycopg2_cursor(pg_url: URL, encoding: str, conforming: str) -> Iterator[Any]:
     """A cursor of a psycopg2 connection in ``encoding`` with ``standard_conforming_strings``
     set to ``conforming`` (libpq's quoting follows the setting the server reports)."""
+    dsn = libpq_url(driver_url(pg_url, "psycopg2"))  # without the driver: CI fails, else skip
     import psycopg2
 
-    conn = psycopg2.connect(libpq_url(pg_url))
+    conn = psycopg2.connect(dsn)
     try:
         conn.autocommit = True
         conn.set_client_encoding(encoding)
@@ -355,11 +356,10 @@ def test_i21_3_a_table_name_the_client_encoding_writes_differently_still_works(
 def psycopg_connection(pg_url: URL, encoding: str, conforming: str) -> Iterator[Any]:
     """A psycopg 3 connection as the store's engine makes it (autocommit, no preparation
     by psycopg itself) in ``encoding``, ``standard_conforming_strings`` ``conforming``."""
+    dsn = libpq_url(driver_url(pg_url, "psycopg"))
     import psycopg
 
-    conn = psycopg.connect(
-        libpq_url(pg_url), autocommit=True, prepare_threshold=None, client_encoding=encoding
-    )
+    conn = psycopg.connect(dsn, autocommit=True, prepare_threshold=None, client_encoding=encoding)
     try:
         conn.execute(f"SET standard_conforming_strings = {conforming}")
         yield conn
@@ -583,6 +583,7 @@ def redis_outcome(value: Any) -> Any:
     return value
 
 
+@pytest.mark.redis
 @pytest.mark.parametrize("protocol", [2, 3], ids=["resp2", "resp3"])
 def test_i21_3_replies_read_by_the_reader_are_what_redis_py_reads(
     redis_server: Any, protocol: int

@@ -12,7 +12,10 @@ SQLAlchemy
 psycopg2 (public API, relied on for exact behaviour)
   * ``cursor.mogrify("%s", (value,))`` writes a literal exactly as ``execute`` would
     for that connection (its encoding, ``standard_conforming_strings``);
-    ``_literal`` must give the same bytes (a differential test checks it).
+    ``_literal`` must give the same bytes. The differential tests are
+    ``tests/test_wire_differential.py`` (issue 21 item 3): ``_literal`` and every
+    statement's ``executed``/``plain`` against ``mogrify`` for fuzzed values, in every
+    client encoding and ``standard_conforming_strings`` setting, and a server round trip.
   * A statement run without parameters is sent as it is (``%%`` is not unescaped);
     several statements in one ``execute`` go as one simple query; a negative integer
     is written with a space before its sign; ``Error.pgcode`` is the SQLSTATE.
