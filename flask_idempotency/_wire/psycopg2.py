@@ -12,7 +12,10 @@ SQLAlchemy
 psycopg2 (public API, relied on for exact behaviour)
   * ``cursor.mogrify("%s", (value,))`` writes a literal exactly as ``execute`` would
     for that connection (its encoding, ``standard_conforming_strings``);
-    ``_literal`` must give the same bytes (a differential test checks it).
+    ``_literal`` must give the same bytes. The differential tests are
+    ``tests/test_wire_differential.py`` (issue 21 item 3): ``_literal`` and every
+    statement's ``executed``/``plain`` against ``mogrify`` for fuzzed values, in every
+    client encoding and ``standard_conforming_strings`` setting, and a server round trip.
   * A statement run without parameters is sent as it is (``%%`` is not unescaped);
     several statements in one ``execute`` go as one simple query; a negative integer
     is written with a space before its sign; ``Error.pgcode`` is the SQLSTATE.
@@ -196,8 +199,10 @@ def _tuple_of(keys: Sequence[Any]) -> Callable[[Any], tuple[Any, ...]]:
 
 
 #: Text that is a valid SQL string literal between single quotes whatever the server's
-#: ``standard_conforming_strings``: printable ASCII without ``'`` or ``\``.
-_PLAIN_TEXT = re.compile(r"[ -&(-\[\]-~]*").fullmatch
+#: ``standard_conforming_strings``, and that every client encoding's Python codec writes
+#: as ASCII: printable ASCII without ``'`` or ``\``, nor ``~`` (psycopg2 writes it 0x81B0
+#: in SHIFT_JIS_2004, as Python's codec does; tests/test_wire_differential.py).
+_PLAIN_TEXT = re.compile(r"[ -&(-\[\]-}]*").fullmatch
 
 
 def _plain_literal(value: Any) -> bytes | None:

@@ -10,7 +10,10 @@ commands straight to the client (and the reader) of the node that owns the slot.
 The rest of the package uses redis-py's ordinary client API.
 
 redis-py internals touched here (check each on a redis-py upgrade; the differential
-tests are ``tests/test_redis_reader.py`` and ``tests/test_topologies.py``):
+tests are ``tests/test_wire_differential.py``: the pre-packed ``GET`` against
+``Connection.pack_command`` and the reader's replies against redis-py's client, RESP2
+and RESP3, for fuzzed keys, values and commands; and ``tests/test_redis_reader.py`` and
+``tests/test_topologies.py``):
 
 - ``ConnectionPool.get_connection()``: before redis-py 6 it requires a command name,
   later releases take none and warn when given one (:func:`_checkout_args` reads its

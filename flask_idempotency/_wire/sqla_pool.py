@@ -25,6 +25,11 @@ mismatch makes every statement take the ordinary public ``pool.connect()`` check
 
 Tested with SQLAlchemy 2.0.0 and the newest release (2.1.9); the pool entry methods
 have been the same since 2.0.0.
+
+Nothing here is written on the wire (no bytes to compare with a library's): the checkout
+is tested against SQLAlchemy's own in ``tests/test_store_direct.py`` (the ordinary
+``pool.connect()`` checkout when the entry API differs, pool listeners, pre-ping, dead
+connections invalidated, every connection returned).
 """
 
 from __future__ import annotations

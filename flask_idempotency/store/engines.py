@@ -111,8 +111,10 @@ class StoreEngines:
                 self._create_if_missing(single or engine)
             except SQLAlchemyError as exc:
                 raise StoreError(f"could not create the table: {describe(exc)}") from exc
-        if single is not None and "%" not in self.table.fullname and supported(single):
-            # (A literal % in the table name would read as a placeholder in its SQL.)
+        name = self.table.fullname
+        if single is not None and "%" not in name and name.isascii() and supported(single):
+            # (A literal % in the table name would read as a placeholder in its SQL; the
+            # direct path sends its SQL as UTF-8 whatever the connection's client encoding.)
             self._direct_runner = DirectStatements(single)
         return engine, engine.execution_options(isolation_level="AUTOCOMMIT"), single
 
