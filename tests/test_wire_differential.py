@@ -107,10 +107,10 @@ def libpq_url(url: URL) -> str:
 
 
 @contextmanager
-def psycopg2_cursor(pg_url: URL, encoding: str, conforming: str) -> Iterator[Any]:
+def psycopg2_cursor(pg_database: URL, encoding: str, conforming: str) -> Iterator[Any]:
     """A cursor of a psycopg2 connection in ``encoding`` with ``standard_conforming_strings``
     set to ``conforming`` (libpq's quoting follows the setting the server reports)."""
-    dsn = libpq_url(driver_url(pg_url, "psycopg2"))  # without the driver: CI fails, else skip
+    dsn = libpq_url(driver_url(pg_database, "psycopg2"))  # without the driver: CI fails, else skip
     import psycopg2
 
     conn = psycopg2.connect(dsn)
@@ -126,12 +126,12 @@ def psycopg2_cursor(pg_url: URL, encoding: str, conforming: str) -> Iterator[Any
 
 
 @pytest.mark.postgres
-def test_i21_3_every_postgresql_encoding_is_covered(pg_url: URL) -> None:
+def test_i21_3_every_postgresql_encoding_is_covered(pg_database: URL) -> None:
     """The encodings the tests below run through are all of the server's, and the two
     they leave out cannot be a psycopg2 connection's client encoding at all."""
     import psycopg2
 
-    with psycopg2_cursor(pg_url, "UTF8", "on") as cursor:
+    with psycopg2_cursor(pg_database, "UTF8", "on") as cursor:
         cursor.execute(
             "SELECT pg_encoding_to_char(i) FROM generate_series(0, 63) AS i"
             " WHERE pg_encoding_to_char(i) <> ''"
@@ -148,7 +148,7 @@ def test_i21_3_every_postgresql_encoding_is_covered(pg_url: URL) -> None:
 @pytest.mark.postgres
 @pytest.mark.parametrize("encoding", CLIENT_ENCODINGS)
 def test_i21_3_literals_are_written_as_psycopg2_writes_them_in_every_encoding(
-    pg_url: URL, encoding: str
+    pg_database: URL, encoding: str
 ) -> None:
     """``_literal(cursor, v) == cursor.mogrify("%s", (v,))`` byte for byte, for fuzzed
     values of every kind, in ``encoding`` with ``standard_conforming_strings`` on and off;
@@ -156,7 +156,7 @@ def test_i21_3_literals_are_written_as_psycopg2_writes_them_in_every_encoding(
     from flask_idempotency._wire.psycopg2 import _literal
 
     for conforming in ("on", "off"):
-        with psycopg2_cursor(pg_url, encoding, conforming) as cursor:
+        with psycopg2_cursor(pg_database, encoding, conforming) as cursor:
 
             @settings(FUZZ, max_examples=25)
             @given(st.lists(VALUE, min_size=1, max_size=8))
@@ -170,11 +170,11 @@ def test_i21_3_literals_are_written_as_psycopg2_writes_them_in_every_encoding(
 
 
 @pytest.fixture(scope="module")
-def psycopg2_statements(pg_url: URL) -> Iterator[dict[str, Any]]:
+def psycopg2_statements(pg_database: URL) -> Iterator[dict[str, Any]]:
     """The store's direct-path statements, compiled for psycopg2, by the names the store
     caches them under (as ``store/sql.py`` builds them)."""
     name = f"idem_wire_{uuid.uuid4().hex[:10]}"
-    url = driver_url(pg_url, "psycopg2")
+    url = driver_url(pg_database, "psycopg2")
     store = DurableStore(lambda: create_engine(url, pool_size=1), table_name=name)
     try:
         store.create_table()
@@ -245,13 +245,13 @@ STORE_SENDS = {
 @pytest.mark.postgres
 @pytest.mark.parametrize("encoding", CLIENT_ENCODINGS)
 def test_i21_3_statements_are_written_as_psycopg2_writes_them_in_every_encoding(
-    pg_url: URL, psycopg2_statements: dict[str, Any], encoding: str
+    pg_database: URL, psycopg2_statements: dict[str, Any], encoding: str
 ) -> None:
     """Each store statement's ``EXECUTE`` and plain text, with fuzzed values, byte for byte
     ``cursor.mogrify(template, values)`` in ``encoding``, ``standard_conforming_strings``
     on and off (both the one-step typed template and the value-by-value writing)."""
     for conforming in ("on", "off"):
-        with psycopg2_cursor(pg_url, encoding, conforming) as cursor:
+        with psycopg2_cursor(pg_database, encoding, conforming) as cursor:
 
             @settings(FUZZ, max_examples=15)
             @given(PARAMS)
@@ -273,7 +273,7 @@ def test_i21_3_statements_are_written_as_psycopg2_writes_them_in_every_encoding(
 @pytest.mark.postgres
 @pytest.mark.parametrize("encoding", CLIENT_ENCODINGS)
 def test_i21_3_the_server_reads_a_written_literal_as_psycopg2s_own_parameter(
-    pg_url: URL, encoding: str
+    pg_database: URL, encoding: str
 ) -> None:
     """Not only the same bytes as mogrify: ``SELECT <literal>`` of fuzzed text gives what
     ``SELECT %s`` with psycopg2's own parameter gives (the value, in the server's own
@@ -291,7 +291,7 @@ def test_i21_3_the_server_reads_a_written_literal_as_psycopg2s_own_parameter(
         return cursor.fetchone()
 
     for conforming in ("on", "off"):
-        with psycopg2_cursor(pg_url, encoding, conforming) as cursor:
+        with psycopg2_cursor(pg_database, encoding, conforming) as cursor:
 
             @settings(FUZZ, max_examples=12)
             @given(st.lists(TEXT, min_size=1, max_size=6))
@@ -318,7 +318,7 @@ def test_i21_3_the_server_reads_a_written_literal_as_psycopg2s_own_parameter(
 @pytest.mark.postgres
 @pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
 def test_i21_3_a_table_name_the_client_encoding_writes_differently_still_works(
-    pg_url: URL, driver: str
+    pg_database: URL, driver: str
 ) -> None:
     """The direct path sends its statements as UTF-8 bytes it encoded once; a table name
     that is not ASCII, on a connection whose client encoding is not UTF8, reached the
@@ -326,7 +326,7 @@ def test_i21_3_a_table_name_the_client_encoding_writes_differently_still_works(
     on every request). Such a store keeps SQLAlchemy's ordinary path."""
     from flask_idempotency.records import Identity, Record, StoredResponse
 
-    url = driver_url(pg_url, driver).update_query_dict({"client_encoding": "latin1"})
+    url = driver_url(pg_database, driver).update_query_dict({"client_encoding": "latin1"})
     name = f"idem_é_{uuid.uuid4().hex[:8]}"
     args = {"prepare_threshold": None} if driver == "psycopg" else {}
     store = DurableStore(
@@ -353,10 +353,10 @@ def test_i21_3_a_table_name_the_client_encoding_writes_differently_still_works(
 
 
 @contextmanager
-def psycopg_connection(pg_url: URL, encoding: str, conforming: str) -> Iterator[Any]:
+def psycopg_connection(pg_database: URL, encoding: str, conforming: str) -> Iterator[Any]:
     """A psycopg 3 connection as the store's engine makes it (autocommit, no preparation
     by psycopg itself) in ``encoding``, ``standard_conforming_strings`` ``conforming``."""
-    dsn = libpq_url(driver_url(pg_url, "psycopg"))
+    dsn = libpq_url(driver_url(pg_database, "psycopg"))
     import psycopg
 
     conn = psycopg.connect(dsn, autocommit=True, prepare_threshold=None, client_encoding=encoding)
@@ -367,7 +367,7 @@ def psycopg_connection(pg_url: URL, encoding: str, conforming: str) -> Iterator[
         conn.close()
 
 
-def psycopg_statement(pg_url: URL, prefix: str) -> tuple[Any, Any]:
+def psycopg_statement(pg_database: URL, prefix: str) -> tuple[Any, Any]:
     """A statement of every kind of value the store binds (and a constant of its own, as
     the claim's state), compiled for the direct path; and its SQLAlchemy compilation."""
     from sqlalchemy import BigInteger, Boolean, Float, LargeBinary, Text, bindparam, literal, select
@@ -382,7 +382,7 @@ def psycopg_statement(pg_url: URL, prefix: str) -> tuple[Any, Any]:
         bindparam("p_float", type_=Float).label("real"),
         literal("in_progress ~ o'brien %").label("state"),
     )
-    engine = create_engine(driver_url(pg_url, "psycopg"))
+    engine = create_engine(driver_url(pg_database, "psycopg"))
     try:
         compiled = statement.compile(dialect=engine.dialect)
     finally:
@@ -433,7 +433,7 @@ ASYNC_PREFIX = "SET LOCAL synchronous_commit = off; "
 @pytest.mark.postgres
 @pytest.mark.parametrize("encoding", CLIENT_ENCODINGS)
 def test_i21_3_psycopg3_statements_give_what_psycopgs_own_cursor_gives(
-    pg_url: URL, encoding: str
+    pg_database: URL, encoding: str
 ) -> None:
     """``_wire/psycopg.py`` binds through psycopg but sends a statement text it encoded
     once (UTF-8 bytes): for fuzzed values, its plain, prepared, pipelined (first use on a
@@ -446,8 +446,8 @@ def test_i21_3_psycopg3_statements_give_what_psycopgs_own_cursor_gives(
 
     if not wire.USABLE:
         pytest.fail("this psycopg lacks what the direct path uses")
-    direct, compiled = psycopg_statement(pg_url, "")
-    prefixed, _ = psycopg_statement(pg_url, ASYNC_PREFIX)
+    direct, compiled = psycopg_statement(pg_database, "")
+    prefixed, _ = psycopg_statement(pg_database, ASYNC_PREFIX)
     text_query = wire._PLACEHOLDER.sub("%s", compiled.string)
     names = wire._PLACEHOLDER.findall(compiled.string)
 
@@ -487,7 +487,7 @@ def test_i21_3_psycopg3_statements_give_what_psycopgs_own_cursor_gives(
         check()
 
     for conforming in ("on", "off"):
-        with psycopg_connection(pg_url, encoding, conforming) as conn:
+        with psycopg_connection(pg_database, encoding, conforming) as conn:
             fuzz_on(conn)
 
 
