@@ -38,18 +38,6 @@ from bench.harness import (
 PG = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 
 
-class Psycopg3Floor(bench_paths.Floor):
-    """:class:`bench.paths.Floor` with psycopg 3 for its PostgreSQL round trips."""
-
-    def __init__(self, db_url: str, *args: Any) -> None:
-        import psycopg
-
-        super().__init__(db_url, *args)
-        self.pg.close()
-        self.pg = psycopg.connect(bench_paths.dsn(db_url), autocommit=True)  # type: ignore[assignment]
-        self.cur = self.pg.cursor()  # type: ignore[assignment]
-
-
 def build(db_url: str, redis_url: str, driver: str, before: bool) -> list[Path_]:
     url = db_url.replace("postgresql+psycopg2://", f"postgresql+{driver}://")
     tag = driver + ("-before" if before else "")
@@ -89,8 +77,7 @@ def floors(db_url: str, redis_url: str, driver: str, bare: WsgiCaller) -> list[P
     added = bench_paths.redis_keys(redis_url) - before
     cached = [k for k in added if not k.startswith(b"bench-floor")]
     digest = bench_paths.newest_digest(db_url, f"f_{driver}")
-    cls = Psycopg3Floor if driver == "psycopg" else bench_paths.Floor
-    floor = cls(db_url, redis_url, f"f_{driver}", cached[0], digest)
+    floor = bench_paths.Floor(db_url, redis_url, f"f_{driver}", cached[0], digest, driver=driver)
     steps = bench_paths.floor_steps(floor)
     out = []
     for key in ("replay-redis", "replay-pg", "first-pg", "first-redis"):
