@@ -200,7 +200,7 @@ def build(db_url: str, redis_url: str) -> tuple[list[Path_], list[str]]:
     and :func:`check_quoting`'s timings."""
     bare = WsgiCaller(create_app("plain"), "/bare")
     out = [bench_paths._wsgi("bare", "", "Flask", bare, lambda: None, False)]
-    quoting_apps = []
+    quoting_apps: list[Any] = []
     for variant, driver, wanted in VARIANTS:
         apps = {
             "redis": make_app(variant, driver, db_url, redis_url),
