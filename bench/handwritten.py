@@ -15,12 +15,10 @@ exactly that fallback:
   check sets): the direct path checks out through ``pool.connect()``;
 - ``direct-off``: no psycopg2 direct path (``store.engines.supported`` false at set-up):
   SQLAlchemy's ``Connection`` on the same autocommit pool;
-- ``quoting``: the direct path with psycopg2's own quoting, ``cursor.execute(sql,
-  params)``, still server-prepared (``EXECUTE name (%s, ...)``): the literal writer
-  alone (a variant of ``_wire.psycopg2.fetchone`` defined here; it sends the same bytes);
-- ``unprepared``: the hand-written literals, no ``PREPARE`` (the path a pooler forces);
-- ``library``: psycopg2's quoting and no ``PREPARE``: all of ``_wire/psycopg2.py``
-  replaced by ``cursor.execute(sql, params)`` on the same lean pooled cursor;
+- ``unprepared``: no ``PREPARE`` (the path a pooler forces): all that is left of
+  ``_wire/psycopg2.py``, since psycopg2 quotes the values itself again (its literal
+  writer was measured here, 0.96–1.00× of psycopg2's quoting on the full request, and
+  removed: ``bench/results/handwritten.md``);
 - ``pg3`` / ``pg3-lean-off``: psycopg 3's direct path (its own API, nothing
   hand-written but the shared pool checkout) with the lean checkout on and off.
 
@@ -61,7 +59,6 @@ from bench.harness import (
     summary,
     versions,
 )
-from flask_idempotency._wire import psycopg2 as wire_psycopg2
 from flask_idempotency._wire import sqla_pool
 from flask_idempotency.store import engines as store_engines
 
@@ -72,9 +69,7 @@ VARIANTS: list[tuple[str, str, tuple[str, ...]]] = [
     ("twin", "psycopg2", ("replay-redis", *_PG)),
     ("redis-off", "psycopg2", ("replay-redis", "first-redis")),
     ("lean-off", "psycopg2", _PG),
-    ("quoting", "psycopg2", _PG),
     ("unprepared", "psycopg2", _PG),
-    ("library", "psycopg2", _PG),
     ("direct-off", "psycopg2", _PG),
     ("pg3", "psycopg", _PG),
     ("pg3-lean-off", "psycopg", _PG),
@@ -86,9 +81,7 @@ COMPARISONS = [
     ("_wire/redis.py (pre-packed GET, SET+EXISTS)", "on", "redis-off"),
     ("_wire/sqla_pool.py lean checkout, psycopg2", "on", "lean-off"),
     ("_wire/sqla_pool.py lean checkout, psycopg 3", "pg3", "pg3-lean-off"),
-    ("psycopg2 literal writer (both prepared)", "on", "quoting"),
-    ("psycopg2 hand PREPARE (both hand literals)", "on", "unprepared"),
-    ("all of _wire/psycopg2.py vs cursor.execute(sql, params)", "on", "library"),
+    ("psycopg2 hand PREPARE/EXECUTE", "on", "unprepared"),
     ("psycopg2 direct path vs SQLAlchemy Connection", "on", "direct-off"),
 ]
 
@@ -98,38 +91,6 @@ PATH_NAMES = {
     "first-pg": "first execution, PostgreSQL only",
     "first-redis": "first execution, PostgreSQL + Redis",
 }
-
-
-def quoting_fetchone(
-    cursor: Any,
-    info: dict[str, Any],
-    statement: wire_psycopg2.DirectSQL,
-    params: dict[str, Any],
-    prepare: bool,
-) -> Any:
-    """``_wire.psycopg2.fetchone`` with psycopg2 quoting the values (``execute(sql, params)``)
-    instead of the literal writer; the same templates, so the same bytes reach the server."""
-    if not prepare:
-        filled = statement._plain
-        cursor.execute(filled._any, filled._get(params))
-    else:
-        filled = statement._execute
-        prepared = info.get(sqla_pool._PREPARED)
-        if prepared is None:
-            prepared = info[sqla_pool._PREPARED] = set()
-        if statement.name in prepared:
-            cursor.execute(filled._any, filled._get(params))
-        else:
-            first = statement.prepare.replace(b"%", b"%%") + b"; " + filled._any
-            cursor.execute(first, filled._get(params))
-            prepared.add(statement.name)
-    row = cursor.fetchone()
-    at = statement.body_at
-    if at is not None and row is not None:
-        body = row[at]
-        if body is not None and len(body) > sqla_pool._KEPT_RESULT_BYTES:
-            info.pop(sqla_pool._CURSOR, None)
-    return row
 
 
 @contextlib.contextmanager
@@ -175,9 +136,7 @@ def make_app(variant: str, driver: str, db_url: str, redis_url: str | None) -> A
         if variant == "redis-off":
             state.cache._reader = None  # what _reader_for returns for a client it cannot serve
         assert (state.cache._reader is None) == (variant == "redis-off")
-    if variant in ("quoting", "library"):
-        runner._fetchone = quoting_fetchone  # checked to send the same bytes: check_quoting
-    if variant in ("unprepared", "library"):
+    if variant == "unprepared":
         runner.prepare = False
     return app
 
@@ -195,19 +154,15 @@ def lean_off(run: Callable[[], None]) -> Callable[[], None]:
     return off
 
 
-def build(db_url: str, redis_url: str) -> tuple[list[Path_], list[str]]:
-    """The bare route and every variant's paths, each replay path's record stored first;
-    and :func:`check_quoting`'s timings."""
+def build(db_url: str, redis_url: str) -> list[Path_]:
+    """The bare route and every variant's paths, each replay path's record stored first."""
     bare = WsgiCaller(create_app("plain"), "/bare")
     out = [bench_paths._wsgi("bare", "", "Flask", bare, lambda: None, False)]
-    quoting_apps: list[Any] = []
     for variant, driver, wanted in VARIANTS:
         apps = {
             "redis": make_app(variant, driver, db_url, redis_url),
             "pg": make_app(variant, driver, db_url, None),
         }
-        if variant in ("quoting", "library"):
-            quoting_apps += apps.values()
         for key in wanted:
             app = apps["redis" if key.endswith("redis") else "pg"]
             caller = WsgiCaller(app, "/pay")
@@ -224,82 +179,7 @@ def build(db_url: str, redis_url: str) -> tuple[list[Path_], list[str]]:
             if variant.endswith("lean-off"):
                 path.run = lean_off(path.run)
             out.append(path)
-    return out, check_quoting(out, quoting_apps)
-
-
-def check_quoting(paths: list[Path_], apps: list[Any]) -> list[str]:
-    """The ``quoting`` and ``library`` variants send, byte for byte, what the literal writer
-    would (else they would measure something else): checked on a few real requests each.
-
-    Also times, on those requests' own cursors and values, the literal writer against
-    psycopg2's quoting of the same template, statement by statement: the CPU the
-    writer saves, without the noise of a whole request. Returns those lines.
-    """
-    checked = 0
-    timed: dict[tuple[str, bool], str] = {}  # by statement kind, prepared or not
-
-    def verifying(
-        cursor: Any,
-        info: dict[str, Any],
-        statement: wire_psycopg2.DirectSQL,
-        params: dict[str, Any],
-        prepare: bool,
-    ) -> Any:
-        nonlocal checked
-        filled = statement._execute if prepare else statement._plain
-        ours = statement.executed(cursor, params) if prepare else statement.plain(cursor, params)
-        assert cursor.mogrify(filled._any, filled._get(params)) == ours, statement.sql
-        checked += 1
-        kind = statement.sql.split()[0]  # WITH: the claim; UPDATE: the completion
-        if (kind, prepare) not in timed:
-            timed[kind, prepare] = time_writer(cursor, statement, params, prepare)
-        return quoting_fetchone(cursor, info, statement, params, prepare)
-
-    for app in apps:
-        app.extensions["idempotency"].store._direct_runner._fetchone = verifying
-    for path in paths:
-        if path.name.split(":")[0] in ("quoting", "library"):
-            for _ in range(3):
-                path.run()
-            path.check()
-    for app in apps:
-        app.extensions["idempotency"].store._direct_runner._fetchone = quoting_fetchone
-    assert checked >= 2 * 3 * 5, checked  # replay 1, first executions 2 statements
-    names = {"WITH": "the claim", "UPDATE": "the completion"}
-    return [
-        f"- {names.get(kind, kind)}, {'EXECUTE' if prepare else 'plain'}: {line}"
-        for (kind, prepare), line in timed.items()
-    ]
-
-
-def time_writer(
-    cursor: Any, statement: wire_psycopg2.DirectSQL, params: dict[str, Any], prepare: bool
-) -> str:
-    """CPU µs per run: the literal writer's bytes vs ``cursor.mogrify`` of the same template
-    (what ``execute(sql, params)`` does before sending); best of 5 × 2,000 runs each."""
-    filled = statement._execute if prepare else statement._plain
-    ours = statement.executed if prepare else statement.plain
-    template, values = filled._any, filled._get
-
-    def writer() -> None:
-        ours(cursor, params)
-
-    def quoting() -> None:
-        cursor.mogrify(template, values(params))
-
-    best = {}
-    for name, run in (("writer", writer), ("mogrify", quoting)):
-        runs = []
-        for _ in range(5):
-            t0 = time.thread_time_ns()
-            for _ in range(2000):
-                run()
-            runs.append((time.thread_time_ns() - t0) / 2000 / 1000)
-        best[name] = min(runs)
-    return (
-        f"{len(filled._get(params))} values: writer {best['writer']:.1f} µs,"
-        f" psycopg2's mogrify {best['mogrify']:.1f} µs"
-    )
+    return out
 
 
 def cpu_ratio(path: Path_, base: Path_) -> dict[str, float]:
@@ -352,7 +232,7 @@ def main() -> None:
     # Each app's one-time advice (no scope loader registered) is not what is measured.
     logging.getLogger("flask_idempotency").setLevel(logging.ERROR)
     with private_database(args.database_url) as db_url, private_redis() as redis_url:
-        paths, writer = build(db_url, redis_url)
+        paths = build(db_url, redis_url)
         info = versions(db_url, redis_url)
         load_before = loadavg()
         began = time.time()
@@ -375,10 +255,6 @@ def main() -> None:
         f" {info['redis-py']}, psycopg2 {info['psycopg2']}, psycopg {_version('psycopg')}.\n"
     )
     print("\n".join(table(by)))
-    print(
-        "\nThe literal writer alone, per statement (CPU, best of 5 × 2,000, outside the rounds):\n"
-    )
-    print("\n".join(writer))
 
 
 def _version(name: str) -> str:

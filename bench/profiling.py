@@ -299,7 +299,9 @@ def statement_costs(
         scope=scope, key_digest=digest, fingerprint=fingerprint, method=method, path=path
     )
     params = claim_params(ident, "0" * 32, 86_400_000, 60_000)
-    cur.execute(claim.prepare)
+    values = claim.values(params)
+    cur.execute(claim.prepare_and_execute, values)  # prepared once on this connection
+    cur.fetchall()
     cur.execute(f"PREPARE profile_pk (text) AS SELECT * FROM {table} WHERE key_digest = $1")
 
     def floor_select() -> None:
@@ -311,7 +313,7 @@ def statement_costs(
         assert cur.fetchone() is not None
 
     def claim_or_read() -> None:
-        cur.execute(claim.executed(cur, params))
+        cur.execute(claim.execute, values)
         row = cur.fetchone()
         assert row is not None and row[0] is None  # read, not claimed
 

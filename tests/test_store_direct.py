@@ -300,66 +300,6 @@ def test_i11_c26_pooled_connection_closed_on_the_client_is_invalidated_and_retri
 AWKWARD_TEXT = ["", "plain", "o'brien", "back\\slash", "%(p_scope)s", "100%", "é ü €", "tab\there"]
 
 
-@pytest.mark.parametrize("store", ["psycopg2"], indirect=True)  # its literal writer
-def test_i11_literals_are_written_exactly_as_psycopg2_writes_them(store) -> None:
-    """The direct path writes its parameters into the statement itself: byte for byte
-    what psycopg2's own quoting writes, for every kind of value the store sends."""
-    from flask_idempotency._wire.psycopg2 import _literal
-
-    values: list[Any] = [*AWKWARD_TEXT, 0, 7, 2**62, -3, True, False, None]
-    values += [b"", b"\x00\xff'\\", memoryview(b"ab"), 1.5]
-    pool = store._single()
-    assert pool is not None
-    conn = pool.raw_connection()
-    try:
-        cursor = conn.cursor()
-        for value in values:
-            assert _literal(cursor, value) == cursor.mogrify("%s", (value,)), value
-    finally:
-        conn.close()
-
-
-@pytest.mark.parametrize("store", ["psycopg2"], indirect=True)  # its literal writer
-def test_i11_statements_are_written_exactly_as_psycopg2_writes_them(store) -> None:
-    """Each run of a statement writes its values into it in one step when they are plain
-    text and non-negative integers of their columns' types, else value by value: either
-    way byte for byte what psycopg2 writes for the statement's template and values."""
-    store.acquire(identity_of("warm"), ttl=60, lease=30)  # compiles the claim
-    statements = [
-        store._direct_sql("claim", store._at_once_statement),
-        store._direct_sql("get", store._select_statement),
-        store._direct_sql("applied", store._applied_statement),
-        store._direct_sql("complete", store._complete_statement),
-    ]
-    plain = {"p_scope": "anonymous", "p_method": "POST", "p_path": "/pay", "p_lock_token": "t"}
-    plain |= {"p_key_digest": "a" * 64, "p_fingerprint": "f" * 64, "p_ttl_ms": 9, "p_lease_ms": 0}
-    plain |= {"p_record_id": 7, "p_status": 201, "p_headers": "[]", "p_body": b"{}"}
-    plain |= {"p_body_omitted": False}
-    runs = [plain]
-    for awkward in [*AWKWARD_TEXT, "x" * 3000, "\\x00", "é", "~ "]:
-        runs += [plain | {"p_scope": awkward}, plain | {"p_path": awkward, "p_method": awkward}]
-    for odd in [-1, -(2**62), None, True, 1.5, "12", b"ab"]:
-        runs += [plain | {"p_ttl_ms": odd}, plain | {"p_lease_ms": odd}]
-        runs += [plain | {"p_scope": odd}, plain | {"p_record_id": odd}]
-    pool = store._single()
-    assert pool is not None
-    conn = pool.raw_connection()
-    try:
-        cursor = conn.cursor()
-        for statement in statements:
-            for which, names in (
-                (statement.executed, statement.arguments),
-                (statement.plain, None),
-            ):
-                filled = statement._execute if names is not None else statement._plain
-                template = filled._any.decode()
-                for params in runs:
-                    values = filled._get(params)
-                    assert which(cursor, params) == cursor.mogrify(template, values), params
-    finally:
-        conn.close()
-
-
 @pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "plain"])
 def test_i11_c9_awkward_values_round_trip_on_the_direct_path(store, runs, prepared) -> None:
     """C9: quotes, backslashes, percent signs and non-ASCII text in the scope, path and

@@ -6,11 +6,11 @@ redis-py would otherwise write. Each test here fuzzes values (hypothesis, derand
 the same examples on every run, so a CI verdict does not depend on luck) and asserts that
 the hand-written side gives exactly what the library gives:
 
-* psycopg2 (``_wire/psycopg2.py``): :func:`_literal` and every compiled store statement
-  (``executed`` and ``plain``) byte for byte as ``cursor.mogrify`` writes them, under every
-  client encoding PostgreSQL accepts from psycopg2 and ``standard_conforming_strings`` on
-  and off; a value an encoding cannot carry (or a NUL) fails the same way on both sides;
-  and the server reads a written literal exactly as it reads psycopg2's own parameter.
+* psycopg2 (``_wire/psycopg2.py``): it writes ``PREPARE``/``EXECUTE`` by hand and lets
+  psycopg2 quote the values (its literal writer went in issue 21: it saved less than the
+  noise); plain, prepared and prefixed runs give the row psycopg2 gives for SQLAlchemy's
+  statement and parameters, or fail the same way, under every client encoding
+  PostgreSQL accepts from psycopg2 and ``standard_conforming_strings`` on and off.
 * psycopg 3 (``_wire/psycopg.py``): it binds through psycopg but sends statement texts
   it encoded itself; rows and column names come back as from psycopg's own cursor,
   prepared or not, and through the client-side-binding cursor of the asynchronous claim.
@@ -76,29 +76,6 @@ TEXT = st.one_of(
     st.text(st.characters(codec="utf-8"), max_size=30),
     st.lists(st.one_of(AWKWARD, st.text(max_size=4)), max_size=8).map("".join),
 )
-#: Any value a statement could be given (lone surrogates too: the store escapes them, see
-#: ``records.storable``, but the literal writer must still fail as psycopg2 does).
-VALUE = st.one_of(
-    TEXT,
-    st.sampled_from(["lone\udcff", "\ud800"]),
-    st.integers(min_value=-(2**200), max_value=2**200),
-    st.integers(min_value=-5, max_value=2**63),
-    st.booleans(),
-    st.none(),
-    st.binary(max_size=30),
-    st.binary(max_size=30).map(memoryview),
-    st.floats(),
-)
-
-
-def outcome(write: Callable[..., Any], *args: Any) -> Any:
-    """What ``write(*args)`` gives: its result, or the failure's type and message."""
-    try:
-        return write(*args)
-    except (UnicodeEncodeError, ValueError) as exc:  # not encodable here; a NUL in text
-        return type(exc), str(exc)
-
-
 # -- psycopg2 --------------------------------------------------------------------------
 
 
@@ -145,174 +122,117 @@ def test_i21_3_every_postgresql_encoding_is_covered(pg_database: URL) -> None:
             cursor.connection.rollback()
 
 
-@pytest.mark.postgres
-@pytest.mark.parametrize("encoding", CLIENT_ENCODINGS)
-def test_i21_3_literals_are_written_as_psycopg2_writes_them_in_every_encoding(
-    pg_database: URL, encoding: str
-) -> None:
-    """``_literal(cursor, v) == cursor.mogrify("%s", (v,))`` byte for byte, for fuzzed
-    values of every kind, in ``encoding`` with ``standard_conforming_strings`` on and off;
-    a value the encoding cannot carry, or text with a NUL, fails the same way on both."""
-    from flask_idempotency._wire.psycopg2 import _literal
+def differential_statement(dialect: Any, prefix: str, make: Callable[..., Any]) -> tuple[Any, Any]:
+    """A statement of every kind of value the store binds (and a constant of its own, as
+    the claim's state), compiled for ``dialect``; ``make(compiled, prefix)`` is the
+    direct path's form of it. Returns (that form, SQLAlchemy's compilation)."""
+    import sqlalchemy as sa
 
-    for conforming in ("on", "off"):
-        with psycopg2_cursor(pg_database, encoding, conforming) as cursor:
-
-            @settings(FUZZ, max_examples=25)
-            @given(st.lists(VALUE, min_size=1, max_size=8))
-            @example(["~", "a~b", "\\", "o'brien", "é", "", -1, 2**62, None, True, b"\x00'\\"])
-            def check(values: list[Any]) -> None:
-                for value in values:
-                    written = outcome(_literal, cursor, value)
-                    assert written == outcome(cursor.mogrify, "%s", (value,)), value
-
-            check()
+    statement = sa.select(
+        sa.bindparam("p_text", type_=sa.Text).label("text"),
+        sa.bindparam("p_int", type_=sa.BigInteger).label("number"),
+        sa.bindparam("p_body", type_=sa.LargeBinary).label("body"),
+        sa.bindparam("p_flag", type_=sa.Boolean).label("flag"),
+        # (cast: as an untyped literal a float comes back as numeric, typed it does not)
+        sa.cast(sa.bindparam("p_float", type_=sa.Float), sa.Float).label("real"),
+        sa.literal("in_progress ~ o'brien %").label("state"),
+        sa.bindparam("p_text", type_=sa.Text).label("again"),  # one value in two places
+    )
+    compiled = statement.compile(dialect=dialect)
+    return make(compiled, prefix), compiled
 
 
-@pytest.fixture(scope="module")
-def psycopg2_statements(pg_database: URL) -> Iterator[dict[str, Any]]:
-    """The store's direct-path statements, compiled for psycopg2, by the names the store
-    caches them under (as ``store/sql.py`` builds them)."""
-    name = f"idem_wire_{uuid.uuid4().hex[:10]}"
-    url = driver_url(pg_database, "psycopg2")
-    store = DurableStore(lambda: create_engine(url, pool_size=1), table_name=name)
-    try:
-        store.create_table()
-        direct = store._direct()
-        assert direct is not None, "the store takes the direct path on psycopg2"
-        at_once = store._at_once_statement
-        yield {
-            "claim": store._direct_sql("claim", at_once),
-            "claim_async": store._direct_sql(
-                "claim_async", at_once, prefix=direct.async_claim_prefix
-            ),
-            "get": store._direct_sql("get", store._select_statement),
-            "complete": store._direct_sql("complete", store._complete_statement),
-            "applied": store._direct_sql("applied", store._applied_statement),
-            "release": store._direct_sql(
-                "release", lambda: store._release_statement().returning(store.table.c.id)
-            ),
-            "exists": store._direct_sql("exists", store._exists_statement),
-        }
-    finally:
-        store.table.drop(store.engine, checkfirst=True)
-        store.identity_table.drop(store.engine, checkfirst=True)
-        store.engine.dispose()
-
-
-HEX = st.text("0123456789abcdef", min_size=64, max_size=64)
-PLAIN = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=20)
-ODD = st.one_of(VALUE, st.sampled_from([-1, -(2**62), None, True, 1.5, "12", b"ab"]))
-#: A run's values: mostly what the store sends (hex digests, plain text, non-negative
-#: integers: the one-step typed template), any of them sometimes anything at all.
-PARAMS = st.fixed_dictionaries(
+#: Values of every kind a statement of the store binds, fuzzed.
+BOUND = st.fixed_dictionaries(
     {
-        "p_key_digest": st.one_of(HEX, ODD),
-        "p_fingerprint": st.one_of(HEX, ODD),
-        "p_scope": st.one_of(PLAIN, TEXT, ODD),
-        "p_method": st.one_of(st.sampled_from(["POST", "PUT", "PATCH"]), ODD),
-        "p_path": st.one_of(PLAIN, TEXT, ODD),
-        "p_lock_token": st.one_of(HEX, PLAIN, ODD),
-        "p_ttl_ms": st.one_of(st.integers(0, 2**40), ODD),
-        "p_lease_ms": st.one_of(st.integers(0, 2**40), ODD),
-        "p_record_id": st.one_of(st.integers(0, 2**63 - 1), ODD),
-        "p_status": st.one_of(st.integers(100, 599), ODD),
-        "p_headers": st.one_of(st.just("[]"), TEXT, ODD),
-        "p_body": st.one_of(st.binary(max_size=40), ODD),
-        "p_body_omitted": st.one_of(st.booleans(), ODD),
+        "p_text": st.one_of(TEXT, st.none()),
+        "p_int": st.one_of(st.integers(-(2**64), 2**64), st.none()),
+        "p_body": st.one_of(st.binary(max_size=40), st.none()),
+        "p_flag": st.one_of(st.booleans(), st.none()),
+        "p_float": st.one_of(st.floats(allow_nan=False), st.none()),
     }
 )
 
 
-#: What the store sends in a run: hex digests, plain text, non-negative integers.
-STORE_SENDS = {
-    "p_key_digest": "a" * 64,
-    "p_fingerprint": "f" * 64,
-    "p_scope": "anonymous",
-    "p_method": "POST",
-    "p_path": "/pay",
-    "p_lock_token": "t" * 32,
-    "p_ttl_ms": 86_400_000,
-    "p_lease_ms": 30_000,
-    "p_record_id": 7,
-    "p_status": 201,
-    "p_headers": '[["Content-Type","application/json"]]',
-    "p_body": b"{}",
-    "p_body_omitted": False,
-}
-
-
 @pytest.mark.postgres
 @pytest.mark.parametrize("encoding", CLIENT_ENCODINGS)
-def test_i21_3_statements_are_written_as_psycopg2_writes_them_in_every_encoding(
-    pg_database: URL, psycopg2_statements: dict[str, Any], encoding: str
-) -> None:
-    """Each store statement's ``EXECUTE`` and plain text, with fuzzed values, byte for byte
-    ``cursor.mogrify(template, values)`` in ``encoding``, ``standard_conforming_strings``
-    on and off (both the one-step typed template and the value-by-value writing)."""
-    for conforming in ("on", "off"):
-        with psycopg2_cursor(pg_database, encoding, conforming) as cursor:
-
-            @settings(FUZZ, max_examples=15)
-            @given(PARAMS)
-            @example(STORE_SENDS | {"p_scope": "~user", "p_path": "/a~b"})  # the typed template
-            @example(STORE_SENDS | {"p_scope": "o'brien\\", "p_path": "/é", "p_ttl_ms": -1})
-            def check(params: dict[str, Any]) -> None:
-                for name, statement in psycopg2_statements.items():
-                    for write, filled in (
-                        (statement.executed, statement._execute),
-                        (statement.plain, statement._plain),
-                    ):
-                        template = filled._any.decode()
-                        expected = outcome(cursor.mogrify, template, filled._get(params))
-                        assert outcome(write, cursor, params) == expected, (name, params)
-
-            check()
-
-
-@pytest.mark.postgres
-@pytest.mark.parametrize("encoding", CLIENT_ENCODINGS)
-def test_i21_3_the_server_reads_a_written_literal_as_psycopg2s_own_parameter(
+def test_i21_3_psycopg2_statements_give_what_psycopg2s_own_execution_gives(
     pg_database: URL, encoding: str
 ) -> None:
-    """Not only the same bytes as mogrify: ``SELECT <literal>`` of fuzzed text gives what
-    ``SELECT %s`` with psycopg2's own parameter gives (the value, in the server's own
-    UTF-8, or the same error), and in every encoding whose characters Python and
-    PostgreSQL map alike, exactly the text written."""
+    """``_wire/psycopg2.py`` writes ``PREPARE``/``EXECUTE`` by hand (psycopg2 has no API
+    for them) and lets psycopg2 quote every value: for fuzzed values, its plain, prepared
+    (first use on a connection, then again) and prefixed (the asynchronous claim's
+    setting) runs give the row psycopg2 gives for SQLAlchemy's statement run with
+    SQLAlchemy's parameters, or fail the same way, in ``encoding`` with
+    ``standard_conforming_strings`` on and off. Values have their parameter's type, as
+    the store's do (a prepared statement's parameters are typed; a plain statement's
+    literals are not, so ``1`` for a boolean differs there by PostgreSQL's rules)."""
     import psycopg2
+    from sqlalchemy.dialects.postgresql import psycopg2 as dialect_module
 
-    from flask_idempotency._wire.psycopg2 import _literal
+    from flask_idempotency._wire import psycopg2 as wire
+    from flask_idempotency.store.dialects.postgresql import _ASYNC_PREFIX
 
-    def select(cursor: Any, query: Any, params: Any = None) -> Any:
+    dialect = dialect_module.dialect()
+
+    def make(compiled: Any, prefix: str) -> Any:
+        return wire.DirectSQL(compiled, dialect, None, prefix)
+
+    direct, compiled = differential_statement(dialect, "", make)
+    prefixed, _ = differential_statement(dialect, _ASYNC_PREFIX, make)
+
+    def result(run: Callable[..., Any], *args: Any) -> Any:
         try:
-            cursor.execute(query, params)
-        except psycopg2.DataError as exc:  # a character the server cannot convert
-            return exc.pgcode
+            row = run(*args)
+        except (psycopg2.Error, UnicodeEncodeError, ValueError) as exc:
+            return type(exc), getattr(exc, "pgcode", None)
+        return tuple(bytes(v) if isinstance(v, memoryview) else v for v in row)
+
+    def own(cursor: Any, sql: str, params: dict[str, Any]) -> Any:
+        cursor.execute(sql, params)
         return cursor.fetchone()
+
+    def fuzz_on(cursor: Any) -> None:
+        @settings(FUZZ, max_examples=10)
+        @given(BOUND)
+        @example(
+            {"p_text": "é~\\'%", "p_int": -1, "p_body": b"\x00", "p_flag": True, "p_float": 1.5}
+        )
+        @example(
+            {"p_text": "a\x00b", "p_int": 2**63, "p_body": b"", "p_flag": None, "p_float": -0.0}
+        )
+        @example(
+            {
+                "p_text": "%(p_int)s %s %%",
+                "p_int": 0,
+                "p_body": b"'\\",
+                "p_flag": True,
+                "p_float": 0.0,
+            }
+        )
+        def check(params: dict[str, Any]) -> None:
+            merged = {**compiled.params, **params}
+            reference = result(own, cursor, compiled.string, merged)
+            # The connection's info (which statements its server holds), as the pool
+            # keeps it: the first prepared run sends PREPARE with its EXECUTE.
+            cursor.execute("DEALLOCATE ALL")
+            info: dict[str, Any] = {}
+            for prepare in (False, True, True):
+                ours = result(wire.fetchone, cursor, info, direct, params, prepare)
+                assert ours == reference, (prepare, params)
+            # One simple query is one implicit transaction: the SET LOCAL holds in it.
+            reference = result(own, cursor, _ASYNC_PREFIX + compiled.string, merged)
+            ours = result(wire.fetchone, cursor, info, prefixed, params, True)
+            assert ours == reference, ("prefixed, prepared before", params)
+            cursor.execute("DEALLOCATE ALL")
+            ours = result(wire.fetchone, cursor, {}, prefixed, params, True)
+            assert ours == reference, ("prefixed, first", params)
+
+        check()
 
     for conforming in ("on", "off"):
         with psycopg2_cursor(pg_database, encoding, conforming) as cursor:
-
-            @settings(FUZZ, max_examples=12)
-            @given(st.lists(TEXT, min_size=1, max_size=6))
-            @example(["~", "\\", "o'brien\\", "%(x)s %", "é€¥‾", "表ソ", "\\'; SELECT 1; --"])
-            def check(texts: list[str]) -> None:
-                for text in texts:
-                    try:
-                        literal = _literal(cursor, text)
-                    except (UnicodeEncodeError, ValueError):
-                        continue  # as mogrify fails (the test above): nothing is sent
-                    # Without parameters psycopg2 sends the statement as it is.
-                    ours = select(cursor, b"SELECT %b, convert_to(%b, 'UTF8')" % (literal, literal))
-                    reference = select(cursor, "SELECT %s, convert_to(%s, 'UTF8')", (text, text))
-                    if isinstance(ours, tuple):
-                        ours = (ours[0], bytes(ours[1]))
-                        reference = (reference[0], bytes(reference[1]))
-                    assert ours == reference, text
-                    if encoding not in INEXACT_ENCODINGS:
-                        assert ours == (text, text.encode("utf-8")), text
-
-            check()
+            fuzz_on(cursor)
 
 
 @pytest.mark.postgres
@@ -368,26 +288,17 @@ def psycopg_connection(pg_database: URL, encoding: str, conforming: str) -> Iter
 
 
 def psycopg_statement(pg_database: URL, prefix: str) -> tuple[Any, Any]:
-    """A statement of every kind of value the store binds (and a constant of its own, as
-    the claim's state), compiled for the direct path; and its SQLAlchemy compilation."""
-    from sqlalchemy import BigInteger, Boolean, Float, LargeBinary, Text, bindparam, literal, select
-
+    """:func:`differential_statement` compiled for psycopg 3's direct path."""
     from flask_idempotency._wire.psycopg import PsycopgSQL
 
-    statement = select(
-        bindparam("p_text", type_=Text).label("text"),
-        bindparam("p_int", type_=BigInteger).label("number"),
-        bindparam("p_body", type_=LargeBinary).label("body"),
-        bindparam("p_flag", type_=Boolean).label("flag"),
-        bindparam("p_float", type_=Float).label("real"),
-        literal("in_progress ~ o'brien %").label("state"),
-    )
     engine = create_engine(driver_url(pg_database, "psycopg"))
     try:
-        compiled = statement.compile(dialect=engine.dialect)
+        dialect = engine.dialect
     finally:
         engine.dispose()
-    return PsycopgSQL(compiled, None, prefix), compiled
+    return differential_statement(
+        dialect, prefix, lambda compiled, prefix: PsycopgSQL(compiled, None, prefix)
+    )
 
 
 def psycopg_outcome(run: Callable[..., Any], *args: Any) -> Any:
@@ -457,17 +368,7 @@ def test_i21_3_psycopg3_statements_give_what_psycopgs_own_cursor_gives(
         kept: dict[str, Any] = {}  # the pooled connection's info: prepared once
 
         @settings(FUZZ, max_examples=10)
-        @given(
-            st.fixed_dictionaries(
-                {
-                    "p_text": st.one_of(TEXT, st.none()),
-                    "p_int": st.one_of(st.integers(-(2**64), 2**64), st.none()),
-                    "p_body": st.one_of(st.binary(max_size=40), st.none()),
-                    "p_flag": st.one_of(st.booleans(), st.none()),
-                    "p_float": st.one_of(st.floats(allow_nan=False), st.none()),
-                }
-            )
-        )
+        @given(BOUND)
         @example({"p_text": "é~\\'%", "p_int": -1, "p_body": b"\x00", "p_flag": 1, "p_float": 1.5})
         @example(
             {"p_text": "a\x00b", "p_int": 2**63, "p_body": b"", "p_flag": None, "p_float": -0.0}

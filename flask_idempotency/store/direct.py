@@ -3,8 +3,8 @@ connection, without SQLAlchemy's execution layer (issues 11, 21), and when it is
 
 CONTRACT C8, C14, C26.
 
-How a statement is sent is :mod:`flask_idempotency._wire.psycopg2` (hand-written
-literals, touching private library APIs it lists) or :mod:`flask_idempotency._wire.psycopg`
+How a statement is sent is :mod:`flask_idempotency._wire.psycopg2` (psycopg2's own
+quoting, ``PREPARE``/``EXECUTE`` written by hand) or :mod:`flask_idempotency._wire.psycopg`
 (psycopg 3's own cursor, binding and preparation), both on the pool checkout of
 :mod:`flask_idempotency._wire.sqla_pool`. Here is the switch:
 
