@@ -24,8 +24,9 @@ class StoreMisconfigured(StoreError):
     """
 
 
-#: The SQLSTATEs MySQL documents for error numbers whose drivers report no SQLSTATE.
-_MYSQL_SQLSTATES = {1213: "40001", 1146: "42S02", 1054: "42S22"}
+#: The SQLSTATEs MySQL documents for error numbers, for drivers that report none
+#: (mysqlclient; PyMySQL keeps the one the server sends only in recent releases).
+_MYSQL_SQLSTATES = {1213: "40001", 1146: "42S02", 1054: "42S22", 1792: "25006"}
 
 
 def sqlstate(exc: BaseException | None) -> str | None:
@@ -73,14 +74,25 @@ def schema_help(table_name: str, exc: BaseException) -> str:
 
 
 #: SQLSTATE ``read_only_sql_transaction``: the connection reached a server that takes no
-#: writes (a standby, a demoted primary, ``default_transaction_read_only``).
+#: writes (a standby, a demoted primary, ``default_transaction_read_only``; on MySQL and
+#: MariaDB, error 1792, a read-only transaction).
 _READ_ONLY = "25006"
+#: MySQL/MariaDB ER_OPTION_PREVENTS_STATEMENT (SQLSTATE HY000): a server option refused
+#: the statement. Only the read-only options (``--read-only``, ``--super-read-only``) mean
+#: a demoted server; the same number names ``--secure-file-priv`` and others.
+_MYSQL_OPTION_PREVENTS_STATEMENT = 1290
+_MYSQL_READ_ONLY_OPTIONS = ("read-only", "read_only")
 
 
 def is_read_only(exc: BaseException | None) -> bool:
     """A write refused because the server is read-only: the store is unavailable there
     (C25, C55), and the connection must not be used again (a standby stays one)."""
-    return sqlstate(exc) == _READ_ONLY
+    if sqlstate(exc) == _READ_ONLY:
+        return True
+    if mysql_errno(exc) != _MYSQL_OPTION_PREVENTS_STATEMENT:
+        return False
+    message = str(getattr(exc, "orig", exc)).lower()
+    return any(option in message for option in _MYSQL_READ_ONLY_OPTIONS)
 
 
 #: The start of libpq's message for one host of a multi-host connection string.
