@@ -344,7 +344,7 @@ def redis_server(tmp_path: Any) -> Iterator[Any]:
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
-        if "pg_url" in fixtures or "pg_driver_url" in fixtures:
+        if {"pg_url", "pg_driver_url", "pg_database"} & set(fixtures):
             item.add_marker(pytest.mark.postgres)
         if "mysql_url" in fixtures:
             item.add_marker(pytest.mark.mysql)

@@ -36,7 +36,7 @@ class CutStore:
     """A PostgreSQL store behind a proxy, an app on it, and a direct engine to look."""
 
     def __init__(self, request: Any, driver: str) -> None:
-        base = driver_url(request.getfixturevalue("pg_url"), driver)
+        base = driver_url(request.getfixturevalue("pg_database"), driver)
         self.proxy = TcpProxy(base.host or "127.0.0.1", base.port or 5432).start()
         self.table = f"idem_{uuid.uuid4().hex[:12]}"
         self.url = base.set(host="127.0.0.1", port=self.proxy.port).render_as_string(

@@ -66,7 +66,7 @@ def proxied(request: Any) -> Iterator[Proxied]:
         base: URL = request.getfixturevalue("mysql_url")
         commit, port = b"\x03COMMIT", 3306
     else:
-        base = driver_url(request.getfixturevalue("pg_url"), request.param)
+        base = driver_url(request.getfixturevalue("pg_database"), request.param)
         commit, port = b"COMMIT\x00", 5432
     make = request.getfixturevalue("make_app")
     proxy = TcpProxy(base.host or "127.0.0.1", base.port or port).start()

@@ -26,7 +26,7 @@ from flask_idempotency.store import DurableStore, StoreError
 from flask_idempotency.store.clock import db_now_ms
 from flask_idempotency.store.connect import create_store_engine
 
-from .conftest import service_missing
+from .conftest import driver_url, service_missing
 
 TTL = 3600.0
 LEASE = 60.0
@@ -34,7 +34,14 @@ LEASE = 60.0
 
 #: MariaDB at its default REPEATABLE READ with PyMySQL, at READ COMMITTED, and with
 #: mysqlclient (``mysql+mysqldb``): the claim must be atomic at both isolation levels.
-BACKENDS = ["sqlite", "postgresql", "mariadb", "mariadb-read-committed", "mariadb-mysqldb"]
+BACKENDS = [
+    "sqlite",
+    "postgresql",
+    "postgresql-psycopg3",
+    "mariadb",
+    "mariadb-read-committed",
+    "mariadb-mysqldb",
+]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -44,8 +51,10 @@ def store(request, tmp_path):
     options = {}
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path}/store.sqlite3"
-    elif request.param == "postgresql":
-        url = request.getfixturevalue("pg_url").render_as_string(hide_password=False)
+    elif request.param.startswith("postgresql"):
+        driver = "psycopg" if request.param.endswith("psycopg3") else "psycopg2"
+        base = driver_url(request.getfixturevalue("pg_database"), driver)
+        url = base.render_as_string(hide_password=False)
     else:
         mysql = request.getfixturevalue("mysql_url")
         if request.param == "mariadb-mysqldb":

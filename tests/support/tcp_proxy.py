@@ -97,7 +97,7 @@ class TcpProxy:
                         with self._lock:
                             self.client_sends += 1
                     if source is client and self._matches(data):
-                        self._swallow_reply(upstream)
+                        self._swallow_reply(client, upstream)
                         return
         except OSError:
             return
@@ -117,14 +117,36 @@ class TcpProxy:
             return True
 
     @staticmethod
-    def _swallow_reply(upstream: socket.socket) -> None:
-        """Wait until the server has answered (so the statement is applied), drop the answer."""
-        upstream.settimeout(5)
+    def _swallow_reply(client: socket.socket, upstream: socket.socket) -> None:
+        """Wait until the server has answered (so the statement is applied), drop the answer.
+
+        What the client sends meanwhile is still forwarded: psycopg 3 may send one
+        statement in pieces (its pipeline's Bind, Execute and Sync after the Parse that
+        holds the text), and the server answers, and commits, only once it has them.
+        Answers that follow within a moment (the rest of a reply sent in pieces, the
+        commit's) are dropped too.
+        """
+        selector = selectors.DefaultSelector()
+        selector.register(client, selectors.EVENT_READ)
+        selector.register(upstream, selectors.EVENT_READ)
+        give_up = time.monotonic() + 5
+        answered_at: float | None = None
         try:
-            upstream.recv(65536)
+            while time.monotonic() < give_up:
+                if answered_at is not None and time.monotonic() > answered_at + 0.1:
+                    return
+                for key, _ in selector.select(timeout=0.02):
+                    data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+                    if not data:
+                        return
+                    if key.fileobj is client:
+                        upstream.sendall(data)
+                    elif answered_at is None:
+                        answered_at = time.monotonic()
         except OSError:
             pass
-        time.sleep(0.05)  # the rest of the reply, if it came in pieces, is dropped too
+        finally:
+            selector.close()
 
     def cut_after_reply_to(self, marker: bytes, *, skip: int = 0) -> None:
         """Once: forward the ``skip+1``-th client message containing ``marker``, let the
