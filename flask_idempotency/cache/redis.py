@@ -252,7 +252,11 @@ class RedisCache:
                     value,
                     px,
                     waiting,
-                    ("PUBLISH", notifier.channel, notifier.wakeup_payload(key_digest, event)),
+                    lambda: (
+                        "PUBLISH",
+                        notifier.channel,
+                        notifier.wakeup_payload(key_digest, event),
+                    ),  # built only when a waiter asked for it
                 )
             else:
                 pipe = self._client.pipeline(transaction=False)
