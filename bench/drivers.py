@@ -32,6 +32,7 @@ from bench.harness import (
     private_redis,
     ratio_to,
     run_rounds,
+    summary,
 )
 
 PG = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
@@ -125,6 +126,13 @@ def main() -> None:
             paths, args.rounds, args.per_round, warmup=30, block_seconds=20.0, what="drivers"
         )
         print(f"{time.time() - began:.0f} s; loads {loads}")
+        print(f"{'path':<28} {'p50 us':>8} {'p99 us':>8} {'cpu us':>8} {'spread %':>8}")
+        for p in paths:
+            s = summary(p)
+            print(
+                f"{p.name:<28} {s['p50_us']:>8.0f} {s['p99_us']:>8.0f} {s['cpu_us'] or 0:>8.0f}"
+                f" {s['spread_pct']:>8.1f}"
+            )
         by = {p.name: p for p in paths}
         print(f"{'path':<28} {'ratio to floor':>14}  (min-max over rounds)")
         tags = ["psycopg2", "psycopg"] + (["psycopg-before"] if args.before else [])
