@@ -81,7 +81,26 @@ class Settlement:
 
 
 class Lease:
-    """One running owner's lease, as the renewer keeps it."""
+    """One running owner's lease, as the renewer keeps it (with slots: one is made per
+    first execution)."""
+
+    __slots__ = (
+        "_reported",
+        "claim",
+        "confirmed_until",
+        "done",
+        "held",
+        "in_flight",
+        "lease",
+        "lost",
+        "max_runtime",
+        "next_due",
+        "renewer",
+        "report",
+        "settlement",
+        "started",
+        "store",
+    )
 
     def __init__(
         self,
