@@ -113,6 +113,13 @@ def main() -> None:
             paths, args.rounds, args.per_round, warmup=30, block_seconds=20.0, what="drivers"
         )
         print(f"{time.time() - began:.0f} s; loads {loads}")
+        print(f"{'path':<28} {'p50 us':>8} {'p99 us':>8} {'cpu us':>8} {'spread %':>8}")
+        for p in paths:
+            s = summary(p)
+            print(
+                f"{p.name:<28} {s['p50_us']:>8.0f} {s['p99_us']:>8.0f} {s['cpu_us'] or 0:>8.0f}"
+                f" {s['spread_pct']:>8.1f}"
+            )
         by = {p.name: p for p in paths}
         print(f"{'path':<28} {'p50 us':>8} {'p99 us':>8} {'cpu us':>8} {'spread %':>8}")
         for p in paths:

@@ -298,7 +298,9 @@ def command_cpu(single_url: str, cluster_url: str, rounds: int = 2000) -> dict[s
         "spublish_us_cluster_routed": per_call(lambda: routed.spublish(channel, "x")),
         "spublish_us_cluster_direct": per_call(lambda: direct.spublish(channel, "x")),
         "completion_us_single_fast": per_call(
-            lambda: fast.set_and_wake(key, value, 60_000, waiting, ("PUBLISH", "bench:done", "x"))
+            lambda: fast.set_and_wake(
+                key, value, 60_000, waiting, lambda: ("PUBLISH", "bench:done", "x")
+            )
         ),
         "completion_us_cluster_routed": per_call(routed_completion),
         "completion_us_cluster_direct": per_call(

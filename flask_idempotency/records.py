@@ -211,7 +211,7 @@ class Record:
         return Completed(self.fingerprint, self.expires_at_ms, self.response)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Claim:
     """Ownership of a record: only the holder of ``lock_token`` may complete or release it."""
 
@@ -220,6 +220,13 @@ class Claim:
     expires_at_ms: int
     #: How the claim was won: ``new``, ``replaced`` (an expired record), ``taken_over``.
     how: str
+
+    def __init__(self, record_id: int, lock_token: str, expires_at_ms: int, how: str) -> None:
+        # In one call, not a frozen dataclass's object.__setattr__ per field (issue 11):
+        # every first execution makes one.
+        self.__dict__.update(
+            record_id=record_id, lock_token=lock_token, expires_at_ms=expires_at_ms, how=how
+        )
 
 
 #: The columns a :class:`Record` is read from, in the order :func:`record_from_values` takes.

@@ -491,12 +491,12 @@ def test_c40_c44_a_settled_transactional_owner_leaves_no_lease_behind(
         return jsonify(ok=False), 400
 
     client = payments.app.test_client()
-    leases = set(heartbeat.renewer()._leases)
+    leases = heartbeat.renewer().registered()
     assert client.post("/kept", json={}, headers={"Idempotency-Key": "c44-kept"}).status_code == 201
     assert (
         client.post("/released", json={}, headers={"Idempotency-Key": "c44-rel"}).status_code == 400
     )
-    assert heartbeat.renewer()._leases == leases
+    assert heartbeat.renewer().registered() == leases
 
 
 def test_c40_constraint_failure_at_the_final_flush_is_the_views_error(

@@ -285,3 +285,48 @@ def test_c47_a_reader_and_its_connections_go_with_their_client(redis_server):
     gc.collect()
     assert pool() is None and reader() is None
     assert all(conn() is None for conn in kept)
+
+
+@given(
+    name=st.text(min_size=1, max_size=80),
+    value=st.one_of(st.binary(max_size=300), st.binary(min_size=5990, max_size=6100)),
+    ttl_ms=st.one_of(st.integers(min_value=-5, max_value=3), st.integers(min_value=1)),
+    waiting=st.text(min_size=1, max_size=80),
+)
+@example(name="idem:o:{d}", value=b"x" * 7000, ttl_ms=60_000, waiting="idem:o:waiting:{d}")
+def test_c23_the_completions_pre_packed_commands_are_what_redis_py_packs(
+    name, value, ttl_ms, waiting
+):
+    """The completion's ``SET … PX`` and ``EXISTS`` are packed by hand: the bytes sent are
+    exactly those of redis-py's ``pack_commands`` (a long value a piece of its own, as
+    there), in the client's name encoding, and nothing is set when no time is left."""
+    import redis
+
+    conn = redis.Connection()
+    commands: list[tuple[Any, ...]] = [("EXISTS", waiting)]
+    if ttl_ms > 0:
+        commands.insert(0, ("SET", name, value, "PX", ttl_ms))
+    packed = redis_wire._set_and_exists(name, value, ttl_ms, waiting, ("utf-8", "strict"))
+    assert b"".join(packed) == b"".join(conn.pack_commands(commands))
+    assert len(packed) == (3 if ttl_ms > 0 and len(value) > 6000 else 1)
+
+
+def test_c10_a_completion_publishes_its_wake_up_only_when_a_waiter_marked_it(redis_server):
+    """``set_and_wake`` builds and sends the wake-up only when the waiting mark is there;
+    both commands' replies are read either way, so the connection stays in step."""
+    cache = fast_cache(redis_server.url)
+    reader = cache._reader
+    built: list[str] = []
+
+    def publish() -> tuple[Any, ...]:
+        built.append("publish")
+        return ("PUBLISH", "reader:done", "x")
+
+    reader.set_and_wake("reader:{d1}", b"v1", 60_000, "reader:waiting:{d1}", publish)
+    assert built == [] and cache._client.get("reader:{d1}") == b"v1"
+    cache._client.set("reader:waiting:{d1}", b"1", px=60_000)
+    reader.set_and_wake("reader:{d1}", b"v2", 60_000, "reader:waiting:{d1}", publish)
+    assert built == ["publish"] and cache._client.get("reader:{d1}") == b"v2"
+    reader.set_and_wake("reader:{d1}", b"v3", 0, "reader:waiting:{d1}", publish)
+    assert built == ["publish", "publish"] and cache._client.get("reader:{d1}") == b"v2"
+    assert reader.get(b"reader:{d1}") == b"v2"  # the kept connection is in step

@@ -202,10 +202,10 @@ def test_c15_c44_an_exit_raised_in_the_view_releases_the_claim_and_its_lease(mak
         return {"paid": True}, 201
 
     client = app.test_client()
-    leases = set(heartbeat.renewer()._leases)
+    leases = heartbeat.renewer().registered()
     with pytest.raises(_WorkerExit):
         client.post("/pay", headers=KEY)
-    assert heartbeat.renewer()._leases == leases
+    assert heartbeat.renewer().registered() == leases
     retry = client.post("/pay", headers=KEY)
     assert retry.status_code == 201 and "Idempotent-Replayed" not in retry.headers
     assert calls == ["pay", "pay"]

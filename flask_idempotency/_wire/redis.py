@@ -91,21 +91,29 @@ class _Reader:
         self._checkout_args = _checkout_args(pool)
         #: Whether connections can be told to reconnect by a maintenance notice (redis-py 8).
         self._notices = hasattr(pool.connection_class, "should_reconnect")
+        #: How the client encodes a name (its ``Encoder``'s settings): the pre-packed
+        #: commands write names as its own commands would.
+        kwargs = getattr(pool, "connection_kwargs", {})
+        self._encoding = (kwargs.get("encoding", "utf-8"), kwargs.get("encoding_errors", "strict"))
 
     def get(self, name: bytes) -> Any:
         return self._run([b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(name), name)], 1)[0]
 
     def set_and_wake(
-        self, name: str, value: bytes, ttl_ms: int, waiting: str, publish: tuple[Any, ...]
+        self,
+        name: str,
+        value: bytes,
+        ttl_ms: int,
+        waiting: str,
+        publish: Callable[[], tuple[Any, ...]],
     ) -> None:
         """``SET name value PX ttl_ms`` (skipped when ``ttl_ms <= 0``) and ``EXISTS waiting``
-        sent together, both replies read: the completion's one round trip (C23); then
-        ``publish`` (the wake-up command), only if a waiter has asked for it."""
-        commands: list[tuple[Any, ...]] = [("EXISTS", waiting)]
-        if ttl_ms > 0:
-            commands.insert(0, ("SET", name, value, "PX", ttl_ms))
-        if self._run(commands, len(commands))[-1]:
-            self._run([publish], 1)
+        sent together, both replies read: the completion's one round trip (C23); then the
+        wake-up command ``publish()`` builds, only if a waiter has asked for it (the
+        usual completion has none, and builds none)."""
+        packed = _set_and_exists(name, value, ttl_ms, waiting, self._encoding)
+        if self._run(packed, 2 if ttl_ms > 0 else 1)[-1]:
+            self._run([publish()], 1)
 
     def run_together(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` in one write and read every reply; an error reply is returned
@@ -165,6 +173,32 @@ class _Reader:
             self._idle.append(conn)
         else:
             self._pool.release(conn)
+
+
+#: A value longer than this is sent as a piece of its own, not copied into the command's
+#: text (redis-py's ``pack_commands`` cuts at the same size).
+_COPIED_VALUE_BYTES = 6000
+
+
+def _set_and_exists(
+    name: str, value: bytes, ttl_ms: int, waiting: str, encoding: tuple[str, str]
+) -> list[bytes]:
+    """``SET name value PX ttl_ms`` (none when ``ttl_ms <= 0``) and ``EXISTS waiting``,
+    packed as redis-py's ``pack_commands`` packs them, the same bytes (a differential
+    test checks it), without its per-argument encoding: a completion's commands are
+    always these two, with text names (in the client's ``encoding``), a bytes value and
+    a whole number."""
+    key = waiting.encode(*encoding)
+    exists = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%b\r\n" % (len(key), key)
+    if ttl_ms <= 0:
+        return [exists]
+    record = name.encode(*encoding)
+    px = b"%d" % ttl_ms
+    head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(record), record, len(value))
+    tail = b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(px), px) + exists
+    if len(value) > _COPIED_VALUE_BYTES:
+        return [head, value, tail]
+    return [head + value + tail]
 
 
 def _read_replies(conn: Any, count: int, errors_as_values: bool) -> list[Any]:

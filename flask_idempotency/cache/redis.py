@@ -105,7 +105,14 @@ class RedisCache:
         return head + key_digest + "}"
 
     def _encode(self, record: Completed) -> bytes:
-        return self.origin.encode("ascii") + b"\n" + encode_value(record)
+        return self._origin_ascii() + b"\n" + encode_value(record)
+
+    def _origin_ascii(self) -> bytes:
+        """The origin as the first line of every cached value, encoded once."""
+        ours = self._origin_bytes
+        if ours is None:
+            ours = self._origin_bytes = self.origin.encode("ascii")
+        return ours
 
     def _encoded_with_ttl(
         self, record: Completed, ttl_ms: int, called: float
@@ -132,9 +139,7 @@ class RedisCache:
         origin, sep, body = raw.partition(b"\n")
         if not sep:
             return None  # an older format, or not ours: a miss
-        ours = self._origin_bytes
-        if ours is None:
-            ours = self._origin_bytes = self.origin.encode("ascii")
+        ours = self._origin_ascii()
         if origin != ours:
             if not self._foreign_logged:
                 self._foreign_logged = True
@@ -252,7 +257,11 @@ class RedisCache:
                     value,
                     px,
                     waiting,
-                    ("PUBLISH", notifier.channel, notifier.wakeup_payload(key_digest, event)),
+                    lambda: (
+                        "PUBLISH",
+                        notifier.channel,
+                        notifier.wakeup_payload(key_digest, event),
+                    ),  # built only when a waiter asked for it
                 )
             else:
                 pipe = self._client.pipeline(transaction=False)

@@ -81,7 +81,26 @@ class Settlement:
 
 
 class Lease:
-    """One running owner's lease, as the renewer keeps it."""
+    """One running owner's lease, as the renewer keeps it (with slots: one is made per
+    first execution)."""
+
+    __slots__ = (
+        "_reported",
+        "claim",
+        "confirmed_until",
+        "done",
+        "held",
+        "in_flight",
+        "lease",
+        "lost",
+        "max_runtime",
+        "next_due",
+        "renewer",
+        "report",
+        "settlement",
+        "started",
+        "store",
+    )
 
     def __init__(
         self,
@@ -121,6 +140,10 @@ class Renewer:
         self.pid = os.getpid()
         self._cond = threading.Condition()
         self._leases: set[Lease] = set()
+        #: Leases registered without the lock (:meth:`add`) that the thread has not taken
+        #: into :attr:`_leases` yet; each entry is taken out by exactly one of the thread
+        #: (``popitem``) and :meth:`remove` (``pop``), each one step under the GIL.
+        self._incoming: dict[Lease, bool] = {}
         self._thread: threading.Thread | None = None
         #: When the waiting thread wakes up by itself (monotonic); ``None`` while it is not
         #: waiting (it scans every lease before it waits again) or has been woken.
@@ -134,8 +157,21 @@ class Renewer:
     # -- called by owners ----------------------------------------------------------------
 
     def add(self, lease: Lease) -> None:
+        """Renew ``lease`` from now on.
+
+        Every first execution registers a lease, and nearly every one is removed long
+        before its first renewal is due: so registering takes no lock when the thread
+        is waiting and wakes no later than the lease is due. The lease waits in
+        :attr:`_incoming`, which the thread takes in whenever it wakes (it clears
+        :attr:`_wakes_at` first, under the lock, and takes them in after), and which
+        :meth:`remove` takes it back out of just as cheaply. Otherwise (no thread, a
+        thread between two waits, a lease due sooner) the lock is taken as before.
+        """
+        self._incoming[lease] = True
+        wakes_at = self._wakes_at  # read after the lease is in: see _next_round
+        if wakes_at is not None and lease.next_due >= wakes_at and self._thread is not None:
+            return
         with self._cond:
-            self._leases.add(lease)
             if self._thread is None:
                 self._start_thread()
             else:
@@ -143,10 +179,29 @@ class Renewer:
 
     def remove(self, lease: Lease) -> None:
         """Stop renewing ``lease``; returns once no renewal of it is under way."""
+        if self._incoming.pop(lease, False):
+            lease.done = True  # the thread never saw it: no renewal of it can be under way
+            return
         with self._cond:
             lease.done = True
             self._leases.discard(lease)
             self._wait_idle(lease)
+
+    def registered(self) -> set[Lease]:
+        """Every lease renewed from now on (tests, diagnostics)."""
+        with self._cond:
+            return {*self._leases, *self._incoming}
+
+    def _take_incoming(self) -> None:
+        """Take the leases registered without the lock into :attr:`_leases` (under the lock)."""
+        incoming = self._incoming
+        while incoming:
+            try:
+                lease = incoming.popitem()[0]
+            except KeyError:  # remove() took the last one meanwhile
+                break
+            if not lease.done:
+                self._leases.add(lease)
 
     def hold(self, lease: Lease) -> None:
         """Pause renewals of ``lease`` (its owner is about to lock or complete its row)."""
@@ -242,6 +297,9 @@ class Renewer:
         with self._cond:
             idle_since = time.monotonic()
             while True:
+                # After _wakes_at was cleared (add() then takes the lock) and before it is
+                # set again: a lease add() left without waking this thread is taken in here.
+                self._take_incoming()
                 now = time.monotonic()
                 active = [lease for lease in self._leases if not lease.held]
                 if not self._leases and now - idle_since >= _IDLE_EXIT:

@@ -29,9 +29,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("flask_idempotency")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Ownership:
-    """This request owns a record; it must end stored or released (C15)."""
+    """This request owns a record; it must end stored or released (C15).
+
+    With slots: one is made per first execution, and setting its fields is part of
+    every one (issue 21)."""
 
     state: AppState
     ident: Identity

@@ -68,6 +68,9 @@ class RedisNotifier:
         self._first_wait = first_wait
         #: Whether the server runs scripts (``None``: not asked yet); see :meth:`_mark`.
         self._scripts: bool | None = None
+        #: The part of every waiting mark's name before its digest, made once the origin
+        #: is known (every completion asks for a mark's name).
+        self._waiting_head: str | None = None
 
     @property
     def channel(self) -> str:
@@ -76,7 +79,12 @@ class RedisNotifier:
     def waiting_name(self, key_digest: str) -> str:
         """The key a waiter sets to be woken for ``key_digest``: in the record's hash tag,
         so on a cluster it lives beside the record (one slot, one round trip)."""
-        return f"{names_prefix(self.prefix, self._origin.get())}:{WAITING_SUFFIX}:{{{key_digest}}}"
+        head = self._waiting_head
+        if head is None:
+            head = self._waiting_head = (
+                f"{names_prefix(self.prefix, self._origin.get())}:{WAITING_SUFFIX}:{{"
+            )
+        return head + key_digest + "}"
 
     @staticmethod
     def wakeup_payload(key_digest: str, event: str) -> str:
