@@ -121,13 +121,6 @@ def main() -> None:
                 f" {s['spread_pct']:>8.1f}"
             )
         by = {p.name: p for p in paths}
-        print(f"{'path':<28} {'p50 us':>8} {'p99 us':>8} {'cpu us':>8} {'spread %':>8}")
-        for p in paths:
-            s = summary(p)
-            print(
-                f"{p.name:<28} {s['p50_us']:>8.0f} {s['p99_us']:>8.0f} {s['cpu_us'] or 0:>8.0f}"
-                f" {s['spread_pct']:>8.1f}"
-            )
         print(f"{'path':<28} {'ratio to floor':>14}  (min-max over rounds)")
         tags = ["psycopg2", "psycopg"] + (["psycopg-before"] if args.before else [])
         for key in ("replay-redis", "replay-pg", "first-pg", "first-redis"):
