@@ -738,11 +738,14 @@ def run_wake(servers: dict[str, Gunicorn], trials: int, duplicates: int) -> dict
 # -- throughput (wrk) ---------------------------------------------------------------------------
 
 WRK_SCRIPT = r"""
+-- Each wrk thread runs this chunk in a Lua state of its own: its `counter` starts at 0
+-- in every thread, and `tid` is the global that setup() gives each thread (a `local tid`
+-- here would be 0 in every thread, and every "new" key would be sent once per thread).
 local counter = 0
-local tid = 0
+local next_tid = 0
 setup = function(thread)
-  thread:set("tid", tid)
-  tid = tid + 1
+  thread:set("tid", next_tid)
+  next_tid = next_tid + 1
 end
 init = function(args)
   mode = args[1]
