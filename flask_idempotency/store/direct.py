@@ -43,6 +43,12 @@ log = logging.getLogger("flask_idempotency")
 #: "prepared statement does not exist" / "already exists": the statements of one
 #: pooled connection are not on one server connection (a transaction pooler between).
 _NOT_ONE_SERVER_CONNECTION = frozenset({"26000", "42P05"})
+#: psycopg 3 names its prepared statements by a counter of each connection (``_pg3_0``,
+#: ``_pg3_1``…), so behind a transaction pooler a name can reach a server connection where
+#: another client prepared *another* statement under it: its Bind then fails with "bind
+#: message supplies N parameters" (08P01) or "incorrect binary data format" (22P03).
+#: (psycopg2's statements are named by a hash of their text: a name means one statement.)
+_ANOTHER_STATEMENT_BY_THAT_NAME = frozenset({"08P01", "22P03"})
 
 
 def supported(engine: Engine) -> bool:
@@ -113,8 +119,10 @@ class DirectStatements:
         try:
             return self._cursors.run(sql, work)
         except DBAPIError as exc:
-            if sqlstate(exc.orig) not in _NOT_ONE_SERVER_CONNECTION:
-                raise  # those two only ever come from our PREPARE or EXECUTE
+            state = sqlstate(exc.orig)
+            misnamed = self._psycopg3 and self.prepare and state in _ANOTHER_STATEMENT_BY_THAT_NAME
+            if state not in _NOT_ONE_SERVER_CONNECTION and not misnamed:
+                raise  # those only ever come from a prepared statement's PREPARE or Bind
         # The statement did not run: its connection's prepared statements are not on
         # the server connection it reached (PgBouncer in transaction mode).
         if self.prepare:
