@@ -218,8 +218,9 @@ def server_prepared(store: DurableStore) -> set[str]:
 
 
 def test_i11_statements_are_prepared_once_per_connection(store, runs) -> None:
-    """The claim, the completion and the read are prepared on the server on first use
-    (PREPARE and EXECUTE in one round trip), then only executed."""
+    """psycopg2: the claim, the completion and the read are prepared on the server on
+    first use (PREPARE and EXECUTE in one round trip), then only executed. psycopg 3:
+    nothing is prepared (its names are a per-connection counter: see the next test)."""
     ident = identity_of("prep-1")
     claim = store.acquire(ident, ttl=60, lease=30)
     assert not isinstance(claim, Record)
@@ -227,13 +228,62 @@ def test_i11_statements_are_prepared_once_per_connection(store, runs) -> None:
     assert isinstance(store.acquire(ident, ttl=60, lease=30), Record)
     assert store.get(ident.key_digest) is not None
     names = server_prepared(store)
-    # psycopg2: named by a hash of their SQL; psycopg 3: psycopg's own names.
-    prefix = "flask_idempotency_" if store.engine.dialect.driver == "psycopg2" else "_pg3_"
-    assert len([n for n in names if n.startswith(prefix)]) == 3, names
     direct = store._direct()
-    assert direct is not None and direct.prepare
+    assert direct is not None
+    if store.engine.dialect.driver == "psycopg2":  # named by a hash of their SQL
+        assert len([n for n in names if n.startswith("flask_idempotency_")]) == 3, names
+        assert direct.prepare
+    else:
+        assert names == set() and not direct.prepare
 
 
+@pytest.mark.parametrize("store", ["psycopg"], indirect=True)  # psycopg2: named by its text
+def test_i21_c8_a_statement_name_another_client_prepared_never_runs_its_statement(
+    store, pg_database: URL
+) -> None:
+    """C8/C41: behind a transaction pooler a statement name can reach a server connection
+    where another client prepared another statement under it. psycopg 3 names its
+    statements ``_pg3_0``, ``_pg3_1``… per connection: another app's claim (another
+    table) under our claim's name ran in its place, and our key was claimed in *its*
+    table (CI: "relation idem_m_… does not exist" after that app's table was dropped).
+    Simulated here: every statement prepared on our connection is replaced by the same
+    statement on another table, as that other client would have prepared it."""
+    other_name = f"idem_other_{uuid.uuid4().hex[:8]}"
+    other = DurableStore(
+        lambda: create_engine(driver_url(pg_database, "psycopg2"), pool_size=1),
+        table_name=other_name,
+        create_table=True,
+    )
+    try:
+        other.create_table()
+        first = store.acquire(identity_of("pooled-1"), ttl=60, lease=30)
+        assert not isinstance(first, Record)
+        pool = store._single()
+        assert pool is not None
+        conn = pool.raw_connection()
+        try:
+            cursor = conn.cursor()
+            cursor.execute(
+                "SELECT name, statement, parameter_types::text[] FROM pg_prepared_statements"
+            )
+            for name, text, types in cursor.fetchall():
+                cursor.execute(f'DEALLOCATE "{name}"')
+                theirs = text.replace(store.table.name, other_name)
+                cursor.execute(f'PREPARE "{name}" ({", ".join(types)}) AS {theirs}')
+        finally:
+            conn.close()
+        ident = identity_of("pooled-2")
+        claim = store.acquire(ident, ttl=60, lease=30)
+        assert not isinstance(claim, Record)
+        assert other.get(ident.key_digest) is None, "our key was claimed in another table"
+        assert store.get(ident.key_digest) is not None
+    finally:
+        other.table.drop(other.engine, checkfirst=True)
+        other.identity_table.drop(other.engine, checkfirst=True)
+        other.engine.dispose()
+
+
+@pytest.mark.parametrize("store", ["psycopg2"], indirect=True)  # psycopg 3 prepares nothing
 def test_i11_statements_gone_from_the_server_connection_fall_back_to_plain_sql(
     store, runs, caplog
 ) -> None:

@@ -5,8 +5,10 @@ CONTRACT C8, C14, C26, C51.
 
 What the library does, and nothing is written by hand: the statement, compiled once by
 SQLAlchemy, is run by psycopg's own cursor with its values as parameters
-(extended protocol, server-side binding), prepared on the server by psycopg itself
-(``execute(..., prepare=True)``: its per-connection cache names and keeps them), with
+(extended protocol, server-side binding), not prepared on the server (the store never
+asks, see :attr:`~flask_idempotency.store.direct.DirectStatements.prepare`: psycopg's
+names are a counter of each connection, unsafe behind a transaction pooler; the
+prepared branch below stays for a naming that is safe), with
 results in binary (``binary=True``: a stored body comes back as its bytes, not as
 hex text to decode). ``IDEMPOTENCY_ASYNC_CLAIM``'s ``SET LOCAL`` and the claim go as
 one simple query through psycopg's :class:`~psycopg.ClientCursor` (client-side

@@ -13,8 +13,9 @@ quoting, ``PREPARE``/``EXECUTE`` written by hand) or :mod:`flask_idempotency._wi
   ``before/after_cursor_execute`` or ``handle_error`` listeners (an app's
   instrumentation on every ``Engine`` keeps the ordinary path, :meth:`usable`).
   Every other driver and mode runs through SQLAlchemy.
-* The statements are prepared on the server once per pooled connection, until a
-  transaction pooler shows: then every statement is sent plain, for good (:meth:`run`).
+* psycopg2's statements are prepared on the server once per pooled connection, until
+  a transaction pooler shows: then every statement is sent plain, for good (:meth:`run`).
+  psycopg 3's never are (see :attr:`DirectStatements.prepare`).
 """
 
 from __future__ import annotations
@@ -43,12 +44,6 @@ log = logging.getLogger("flask_idempotency")
 #: "prepared statement does not exist" / "already exists": the statements of one
 #: pooled connection are not on one server connection (a transaction pooler between).
 _NOT_ONE_SERVER_CONNECTION = frozenset({"26000", "42P05"})
-#: psycopg 3 names its prepared statements by a counter of each connection (``_pg3_0``,
-#: ``_pg3_1``…), so behind a transaction pooler a name can reach a server connection where
-#: another client prepared *another* statement under it: its Bind then fails with "bind
-#: message supplies N parameters" (08P01) or "incorrect binary data format" (22P03).
-#: (psycopg2's statements are named by a hash of their text: a name means one statement.)
-_ANOTHER_STATEMENT_BY_THAT_NAME = frozenset({"08P01", "22P03"})
 
 
 def supported(engine: Engine) -> bool:
@@ -73,8 +68,13 @@ class DirectStatements:
         prefix = of(engine).async_claim_prefix(sender)
         #: Put before the claim for ``IDEMPOTENCY_ASYNC_CLAIM`` (see :mod:`.dialects`).
         self.async_claim_prefix = "" if prefix is None else prefix
-        #: Prepare statements on the server; off for good once a pooler is seen.
-        self.prepare = True
+        #: Prepare statements on the server; off for good once a pooler is seen. Never
+        #: with psycopg 3: it names them by a counter of each connection (``_pg3_0``…), and
+        #: behind a transaction pooler such a name can reach a server connection where
+        #: another client prepared *its* statement under it, which then runs in place of
+        #: ours, silently when the parameter types agree (another app's claim, another
+        #: table). psycopg2's are named by a hash of their text: one name, one statement.
+        self.prepare = not self._psycopg3
 
     def usable(self) -> bool:
         """No listener on the engine would miss the statements run here."""
@@ -119,10 +119,8 @@ class DirectStatements:
         try:
             return self._cursors.run(sql, work)
         except DBAPIError as exc:
-            state = sqlstate(exc.orig)
-            misnamed = self._psycopg3 and self.prepare and state in _ANOTHER_STATEMENT_BY_THAT_NAME
-            if state not in _NOT_ONE_SERVER_CONNECTION and not misnamed:
-                raise  # those only ever come from a prepared statement's PREPARE or Bind
+            if sqlstate(exc.orig) not in _NOT_ONE_SERVER_CONNECTION:
+                raise  # those two only ever come from our PREPARE or EXECUTE
         # The statement did not run: its connection's prepared statements are not on
         # the server connection it reached (PgBouncer in transaction mode).
         if self.prepare:
