@@ -8,7 +8,8 @@ SQLAlchemy, is run by psycopg's own cursor with its values as parameters
 (extended protocol, server-side binding), not prepared on the server (the store never
 asks, see :attr:`~flask_idempotency.store.direct.DirectStatements.prepare`: psycopg's
 names are a counter of each connection, unsafe behind a transaction pooler; the
-prepared branch below stays for a naming that is safe), with
+prepared branch below is no longer reached by the store, only by the differential
+tests; it goes when statements get names tied to their text), with
 results in binary (``binary=True``: a stored body comes back as its bytes, not as
 hex text to decode). ``IDEMPOTENCY_ASYNC_CLAIM``'s ``SET LOCAL`` and the claim go as
 one simple query through psycopg's :class:`~psycopg.ClientCursor` (client-side
