@@ -17,13 +17,15 @@ import pytest
 from flask import jsonify
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
 
 from flask_idempotency import idempotent
 from flask_idempotency.records import Claim, Identity, Record, StoredResponse
 from flask_idempotency.store import DurableStore, StoreError, StoreMisconfigured
 from flask_idempotency.store.direct import DirectStatements
 
-from .conftest import PG_DRIVERS, driver_url
+from .conftest import PG_DRIVERS, driver_url, service_missing
+from .support.pgbouncer import PgBouncer, pgbouncer_binary
 from .test_lifecycle import KEY, REPLAYED
 
 pytestmark = pytest.mark.postgres
@@ -218,9 +220,10 @@ def server_prepared(store: DurableStore) -> set[str]:
 
 
 def test_i11_statements_are_prepared_once_per_connection(store, runs) -> None:
-    """psycopg2: the claim, the completion and the read are prepared on the server on
-    first use (PREPARE and EXECUTE in one round trip), then only executed. psycopg 3:
-    nothing is prepared (its names are a per-connection counter: see the next test)."""
+    """The claim, the completion and the read are prepared on the server on first use
+    (the statement's preparation and its first run in one round trip), then only
+    executed: psycopg2's named by a hash of their SQL, psycopg 3's by psycopg (on a
+    connection that reaches PostgreSQL itself: see the next test)."""
     ident = identity_of("prep-1")
     claim = store.acquire(ident, ttl=60, lease=30)
     assert not isinstance(claim, Record)
@@ -228,26 +231,47 @@ def test_i11_statements_are_prepared_once_per_connection(store, runs) -> None:
     assert isinstance(store.acquire(ident, ttl=60, lease=30), Record)
     assert store.get(ident.key_digest) is not None
     names = server_prepared(store)
+    prefix = "flask_idempotency_" if store.engine.dialect.driver == "psycopg2" else "_pg3_"
+    assert len([n for n in names if n.startswith(prefix)]) == 3, names
     direct = store._direct()
-    assert direct is not None
-    if store.engine.dialect.driver == "psycopg2":  # named by a hash of their SQL
-        assert len([n for n in names if n.startswith("flask_idempotency_")]) == 3, names
-        assert direct.prepare
-    else:
-        assert names == set() and not direct.prepare
+    assert direct is not None and direct.prepare
 
 
-@pytest.mark.parametrize("store", ["psycopg"], indirect=True)  # psycopg2: named by its text
+@pytest.fixture
+def bouncer(pg_database: URL) -> Iterator[PgBouncer]:
+    """A private PgBouncer in transaction mode with one server connection, which every
+    client's transactions then share."""
+    binary = pgbouncer_binary()
+    if binary is None:
+        service_missing("pgbouncer", "the binary is not installed (apt-get install pgbouncer)")
+    started = PgBouncer(
+        str(binary), str(pg_database.host or "127.0.0.1"), int(pg_database.port or 5432),
+        pool_size=1,
+    ).start()  # fmt: skip
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
 def test_i21_c8_a_statement_name_another_client_prepared_never_runs_its_statement(
-    store, pg_database: URL
+    pg_database: URL, bouncer: PgBouncer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """C8/C41: behind a transaction pooler a statement name can reach a server connection
     where another client prepared another statement under it. psycopg 3 names its
     statements ``_pg3_0``, ``_pg3_1``… per connection: another app's claim (another
     table) under our claim's name ran in its place, and our key was claimed in *its*
     table (CI: "relation idem_m_… does not exist" after that app's table was dropped).
-    Simulated here: every statement prepared on our connection is replaced by the same
-    statement on another table, as that other client would have prepared it."""
+    Through a real PgBouncer: after our first claim, another client replaces every
+    statement prepared on the one server connection by the same statement on another
+    table, as that client would have prepared it under psycopg's names."""
+    name = f"idem_pooled_{uuid.uuid4().hex[:8]}"
+    routed = bouncer.route(driver_url(pg_database, "psycopg"))
+    store = DurableStore(
+        lambda: create_engine(routed, pool_size=2, connect_args={"prepare_threshold": None}),
+        table_name=name,
+        create_table=True,
+    )
     other_name = f"idem_other_{uuid.uuid4().hex[:8]}"
     other = DurableStore(
         lambda: create_engine(driver_url(pg_database, "psycopg2"), pool_size=1),
@@ -256,34 +280,35 @@ def test_i21_c8_a_statement_name_another_client_prepared_never_runs_its_statemen
     )
     try:
         other.create_table()
-        first = store.acquire(identity_of("pooled-1"), ttl=60, lease=30)
+        with caplog.at_level("INFO", logger="flask_idempotency"):
+            first = store.acquire(identity_of("pooled-1"), ttl=60, lease=30)
         assert not isinstance(first, Record)
-        pool = store._single()
-        assert pool is not None
-        conn = pool.raw_connection()
-        try:
-            cursor = conn.cursor()
+        direct = store._direct()
+        assert direct is not None and not direct.prepare
+        assert any("pooler is in use" in r.getMessage() for r in caplog.records)
+        theirs = create_engine(routed, poolclass=NullPool, connect_args={"autocommit": True})
+        with theirs.connect() as conn:
+            cursor = conn.connection.driver_connection.cursor()
             cursor.execute(
                 "SELECT name, statement, parameter_types::text[] FROM pg_prepared_statements"
             )
-            for name, text, types in cursor.fetchall():
-                cursor.execute(f'DEALLOCATE "{name}"')
-                theirs = text.replace(store.table.name, other_name)
-                cursor.execute(f'PREPARE "{name}" ({", ".join(types)}) AS {theirs}')
-        finally:
-            conn.close()
-        ident = identity_of("pooled-2")
-        claim = store.acquire(ident, ttl=60, lease=30)
-        assert not isinstance(claim, Record)
-        assert other.get(ident.key_digest) is None, "our key was claimed in another table"
-        assert store.get(ident.key_digest) is not None
+            for statement_name, sql, types in cursor.fetchall():
+                cursor.execute(f'DEALLOCATE "{statement_name}"')
+                replaced = sql.replace(name, other_name)
+                cursor.execute(f'PREPARE "{statement_name}" ({", ".join(types)}) AS {replaced}')
+        for n in range(3):
+            ident = identity_of(f"pooled-{n + 2}")
+            claim = store.acquire(ident, ttl=60, lease=30)
+            assert not isinstance(claim, Record)
+            assert other.get(ident.key_digest) is None, "our key was claimed in another table"
+            assert store.get(ident.key_digest) is not None
     finally:
-        other.table.drop(other.engine, checkfirst=True)
-        other.identity_table.drop(other.engine, checkfirst=True)
-        other.engine.dispose()
+        for made in (store, other):
+            made.table.drop(other.engine, checkfirst=True)
+            made.identity_table.drop(other.engine, checkfirst=True)
+            made.engine.dispose()
 
 
-@pytest.mark.parametrize("store", ["psycopg2"], indirect=True)  # psycopg 3 prepares nothing
 def test_i11_statements_gone_from_the_server_connection_fall_back_to_plain_sql(
     store, runs, caplog
 ) -> None:

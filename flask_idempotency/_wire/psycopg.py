@@ -5,11 +5,12 @@ CONTRACT C8, C14, C26, C51.
 
 What the library does, and nothing is written by hand: the statement, compiled once by
 SQLAlchemy, is run by psycopg's own cursor with its values as parameters
-(extended protocol, server-side binding), not prepared on the server (the store never
-asks, see :attr:`~flask_idempotency.store.direct.DirectStatements.prepare`: psycopg's
-names are a counter of each connection, unsafe behind a transaction pooler; the
-prepared branch below is no longer reached by the store, only by the differential
-tests; it goes when statements get names tied to their text), with
+(extended protocol, server-side binding), prepared on the server by psycopg itself
+(``execute(..., prepare=True)``: its per-connection cache names and keeps them) on a
+connection that reaches PostgreSQL itself, never behind a transaction pooler
+(:func:`behind_pooler`: psycopg's names are a counter of each connection, ``_pg3_0``…,
+so there such a name could reach a server connection where another client prepared
+*its* statement under it), with
 results in binary (``binary=True``: a stored body comes back as its bytes, not as
 hex text to decode). ``IDEMPOTENCY_ASYNC_CLAIM``'s ``SET LOCAL`` and the claim go as
 one simple query through psycopg's :class:`~psycopg.ClientCursor` (client-side
@@ -23,7 +24,7 @@ set it for PgBouncer, so a connection of the request path's pool gets a threshol
 statement reaches, and only ``prepare=True`` prepares), ``ClientCursor``,
 ``Cursor.nextset()``, ``Error.sqlstate``, ``Connection.pipeline()`` and
 ``Pipeline.is_supported()`` (a statement's first run on a connection sends psycopg's
-Parse with its Bind/Execute in one round trip).
+Parse with its Bind/Execute in one round trip), ``ConnectionInfo.backend_pid``.
 
 The one thing not left to psycopg is the statement text's encoding: once, as UTF-8
 bytes (so the store keeps a table name that is not ASCII off the direct path). The
@@ -124,6 +125,20 @@ class PsycopgSQL:
     def values(self, params: dict[str, Any]) -> Any:
         """The statement's values, in placeholder order, for a run with ``params``."""
         return self._values({**self._constants, **params} if self._constants else params)
+
+
+def behind_pooler(cursor: Any) -> bool:
+    """Whether ``cursor``'s connection reaches PostgreSQL through a pooler (one more round
+    trip, once per pooled connection, before its first prepared statement).
+
+    A pooler that shares server connections between clients must route a client's
+    cancel request itself, so it hands each client a backend key of its own (PgBouncer,
+    Odyssey, PgCat do): the process id the connection was given at its start is then
+    not the one of the server process that runs its statements.
+    """
+    cursor.execute("SELECT pg_backend_pid()", prepare=False)
+    row = cursor.fetchone()
+    return row is None or row[0] != cursor.connection.info.backend_pid
 
 
 def fetchone(

@@ -13,9 +13,10 @@ quoting, ``PREPARE``/``EXECUTE`` written by hand) or :mod:`flask_idempotency._wi
   ``before/after_cursor_execute`` or ``handle_error`` listeners (an app's
   instrumentation on every ``Engine`` keeps the ordinary path, :meth:`usable`).
   Every other driver and mode runs through SQLAlchemy.
-* psycopg2's statements are prepared on the server once per pooled connection, until
-  a transaction pooler shows: then every statement is sent plain, for good (:meth:`run`).
-  psycopg 3's never are (see :attr:`DirectStatements.prepare`).
+* The statements are prepared on the server once per pooled connection, until a
+  transaction pooler shows: then every statement is sent plain, for good (:meth:`run`).
+  psycopg 3's are prepared only on a connection seen to reach PostgreSQL itself
+  (:meth:`DirectStatements.fetchone`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ DirectSQL = wire_psycopg2.DirectSQL | wire_psycopg.PsycopgSQL
 
 log = logging.getLogger("flask_idempotency")
 
+#: Set in a pooled connection's ``info`` once it was seen to reach PostgreSQL itself.
+_NO_POOLER = "flask_idempotency.no_pooler"
 #: "prepared statement does not exist" / "already exists": the statements of one
 #: pooled connection are not on one server connection (a transaction pooler between).
 _NOT_ONE_SERVER_CONNECTION = frozenset({"26000", "42P05"})
@@ -68,13 +71,15 @@ class DirectStatements:
         prefix = of(engine).async_claim_prefix(sender)
         #: Put before the claim for ``IDEMPOTENCY_ASYNC_CLAIM`` (see :mod:`.dialects`).
         self.async_claim_prefix = "" if prefix is None else prefix
-        #: Prepare statements on the server; off for good once a pooler is seen. Never
-        #: with psycopg 3: it names them by a counter of each connection (``_pg3_0``…), and
-        #: behind a transaction pooler such a name can reach a server connection where
-        #: another client prepared *its* statement under it, which then runs in place of
-        #: ours, silently when the parameter types agree (another app's claim, another
-        #: table). psycopg2's are named by a hash of their text: one name, one statement.
-        self.prepare = not self._psycopg3
+        #: Prepare statements on the server; off for good once a pooler is seen. psycopg 3
+        #: names them by a counter of each connection (``_pg3_0``…): behind a transaction
+        #: pooler such a name can reach a server connection where another client prepared
+        #: *its* statement under it, which would run in place of ours, silently when the
+        #: parameter types agree (another app's claim, in another table). So a psycopg 3
+        #: connection is checked before its first prepared statement. psycopg2's are named
+        #: by a hash of their text: one name, one statement, wherever it lands.
+        self.prepare = True
+        self._check_for_pooler = self._psycopg3
 
     def usable(self) -> bool:
         """No listener on the engine would miss the statements run here."""
@@ -108,7 +113,17 @@ class DirectStatements:
     ) -> Any:
         """Run ``statement`` on ``cursor`` (in :meth:`run`'s ``work``, with its connection's
         ``info``); its first row. Prepared on the server unless a pooler was seen."""
+        if self._check_for_pooler and self.prepare and _NO_POOLER not in info:
+            if wire_psycopg.behind_pooler(cursor):
+                self._stop_preparing()
+            else:
+                info[_NO_POOLER] = True
         return self._fetchone(cursor, info, statement, params, self.prepare)  # type: ignore[arg-type]
+
+    def _stop_preparing(self) -> None:
+        if self.prepare:
+            self.prepare = False
+            log.info("idempotency: a connection pooler is in use; statements are not prepared")
 
     def run(self, sql: str, work: Callable[[Any, dict[str, Any]], T]) -> T:
         """``work(cursor, info)`` on one pooled connection (``info``: the pool's dictionary
@@ -123,7 +138,5 @@ class DirectStatements:
                 raise  # those two only ever come from our PREPARE or EXECUTE
         # The statement did not run: its connection's prepared statements are not on
         # the server connection it reached (PgBouncer in transaction mode).
-        if self.prepare:
-            self.prepare = False
-            log.info("idempotency: a connection pooler is in use; statements are not prepared")
+        self._stop_preparing()
         return self._cursors.run(sql, work)
