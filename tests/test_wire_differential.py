@@ -354,13 +354,14 @@ def test_i21_3_psycopg3_statements_give_what_psycopgs_own_cursor_gives(
     import psycopg
 
     from flask_idempotency._wire import psycopg as wire
+    from flask_idempotency._wire.compiled import PLACEHOLDER
 
     if not wire.USABLE:
         pytest.fail("this psycopg lacks what the direct path uses")
     direct, compiled = psycopg_statement(pg_database, "")
     prefixed, _ = psycopg_statement(pg_database, ASYNC_PREFIX)
-    text_query = wire._PLACEHOLDER.sub("%s", compiled.string)
-    names = wire._PLACEHOLDER.findall(compiled.string)
+    text_query = PLACEHOLDER.sub("%s", compiled.string)
+    names = PLACEHOLDER.findall(compiled.string)
 
     def fuzz_on(conn: Any) -> None:
         cursor = conn.cursor()

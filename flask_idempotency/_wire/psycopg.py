@@ -40,13 +40,12 @@ from __future__ import annotations
 
 import inspect
 import operator
-import re
 from collections.abc import Callable
 from typing import Any
 
-from .sqla_pool import _CURSOR, _KEPT_RESULT_BYTES, _PREPARED
+from .compiled import PLACEHOLDER, CompiledSQL
+from .sqla_pool import _PREPARED
 
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 #: The key of a pooled connection's client-side-binding cursor (the asynchronous claim).
 _CLIENT_CURSOR = "flask_idempotency.client_cursor"
 #: A connection's ``prepare_threshold`` on the request path's pool: a count no statement
@@ -85,17 +84,11 @@ def _pipeline() -> bool:
 _PIPELINE = USABLE and _pipeline()
 
 
-class PsycopgSQL:
-    """A statement compiled once for psycopg: its text with positional placeholders and
-    the names of its values, in order (a statement's own constants included).
+class PsycopgSQL(CompiledSQL):
+    """A statement compiled once for psycopg: its text with positional placeholders, its
+    values taken in that order (a statement's own constants included)."""
 
-    ``sql`` is the statement as SQLAlchemy would run it (error messages name it);
-    ``record_values``: a row's values in
-    :data:`~flask_idempotency.records.RECORD_COLUMNS` order (statements that read a
-    record); ``body_at``: where a row holds a stored body, if it does.
-    """
-
-    __slots__ = ("_constants", "_values", "body_at", "prefixed", "query", "record_values", "sql")
+    __slots__ = ("_values", "prefixed", "query")
 
     def __init__(
         self,
@@ -104,19 +97,13 @@ class PsycopgSQL:
         prefix: str,
         body_at: int | None = None,
     ) -> None:
-        sql: str = compiled.string
-        self.sql = prefix + sql
-        self.record_values = record_values
-        self.body_at = body_at
-        names = _PLACEHOLDER.findall(sql)
-        positional = _PLACEHOLDER.sub("%s", sql)
+        super().__init__(compiled, record_values, prefix, body_at)
+        names = self.names
+        positional = PLACEHOLDER.sub("%s", compiled.string)
         #: The query psycopg runs (bytes: nothing to encode per run).
         self.query = positional.encode()
         #: The asynchronous claim: the setting and the statement in one simple query.
         self.prefixed = (prefix.replace("%", "%%") + positional).encode() if prefix else None
-        self._constants = {
-            name: compiled.params[name] for name in names if not compiled.binds[name].required
-        }
         getter = operator.itemgetter(*names) if names else (lambda params: ())
         self._values: Callable[[dict[str, Any]], Any] = (
             getter if len(names) > 1 else (lambda params: (getter(params),) if names else ())
@@ -124,7 +111,7 @@ class PsycopgSQL:
 
     def values(self, params: dict[str, Any]) -> Any:
         """The statement's values, in placeholder order, for a run with ``params``."""
-        return self._values({**self._constants, **params} if self._constants else params)
+        return self._values(self.with_constants(params))
 
 
 def behind_pooler(cursor: Any) -> bool:
@@ -179,11 +166,5 @@ def fetchone(
                 cursor.execute(statement.query, values, prepare=True, binary=True)
                 row = cursor.fetchone()
             prepared.add(statement.query)
-    at = statement.body_at
-    if at is not None and row is not None:
-        body = row[at]
-        if body is not None and len(body) > _KEPT_RESULT_BYTES:
-            # The cursor holds its last result until its next statement: a big one is
-            # let go with this cursor rather than kept by the pooled connection.
-            info.pop(_CURSOR, None)
+    statement.let_go_of_big_body(info, row)
     return row

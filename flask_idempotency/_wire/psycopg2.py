@@ -47,16 +47,14 @@ the store uses it, and what falls back, is
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Callable
 from typing import Any
 
-from .sqla_pool import _CURSOR, _KEPT_RESULT_BYTES, _PREPARED
+from .compiled import PLACEHOLDER, CompiledSQL
+from .sqla_pool import _PREPARED
 
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 
-
-class DirectSQL:
+class DirectSQL(CompiledSQL):
     """A statement compiled once for the direct path.
 
     ``sql`` is the statement as SQLAlchemy would run it (error messages name it). It
@@ -66,21 +64,10 @@ class DirectSQL:
     name always means this very statement. psycopg2 writes every value, by its own
     quoting for the connection (its encoding, ``standard_conforming_strings``): the
     texts are %-templates with SQLAlchemy's own named placeholders, run with
-    :meth:`values`. ``record_values``: a row's values in
-    :data:`~flask_idempotency.records.RECORD_COLUMNS` order (statements that read a
-    record); ``body_at``: where a row holds a stored body, if it does.
+    :meth:`values`.
     """
 
-    __slots__ = (
-        "_defaults",
-        "body_at",
-        "execute",
-        "name",
-        "plain",
-        "prepare_and_execute",
-        "record_values",
-        "sql",
-    )
+    __slots__ = ("execute", "name", "plain", "prepare_and_execute")
 
     def __init__(
         self,
@@ -90,24 +77,15 @@ class DirectSQL:
         prefix: str,
         body_at: int | None = None,
     ) -> None:
+        super().__init__(compiled, record_values, prefix, body_at)
         sql: str = compiled.string
-        self.sql = prefix + sql
-        self.record_values = record_values
-        self.body_at = body_at
-        names: list[str] = []
-        for name in _PLACEHOLDER.findall(sql):
-            if name not in names:
-                names.append(name)
+        names = list(dict.fromkeys(self.names))  # each value once, in order
         types = ", ".join(
             dialect.type_compiler_instance.process(compiled.binds[name].type) for name in names
         )
-        numbered = _PLACEHOLDER.sub(lambda m: f"${names.index(m.group(1)) + 1}", sql)
+        numbered = PLACEHOLDER.sub(lambda m: f"${names.index(m.group(1)) + 1}", sql)
         digest = hashlib.sha256(f"{types}|{numbered}".encode()).hexdigest()[:24]
         self.name = f"flask_idempotency_{digest}"
-        # SQLAlchemy's constants (values compiled into the statement) go with each run's.
-        self._defaults = {
-            name: compiled.params[name] for name in names if not compiled.binds[name].required
-        }
         escaped_prefix = prefix.replace("%", "%%")  # run with parameters, ``%%`` is ``%``
         listed = ", ".join(f"%({name})s" for name in names)
         #: The prepared statement's ``EXECUTE``, a slot per value.
@@ -117,11 +95,8 @@ class DirectSQL:
         #: The statement itself (no statement prepared: behind a transaction pooler).
         self.plain = escaped_prefix + sql
 
-    def values(self, params: dict[str, Any]) -> dict[str, Any]:
-        """What a run of the statement passes with its text: ``params`` and the
-        statement's own constants."""
-        defaults = self._defaults
-        return {**defaults, **params} if defaults else params
+    #: What a run of the statement passes with its text (named slots).
+    values = CompiledSQL.with_constants
 
 
 def fetchone(
@@ -146,11 +121,5 @@ def fetchone(
             cursor.execute(statement.prepare_and_execute, values)
             prepared.add(statement.name)
     row = cursor.fetchone()
-    at = statement.body_at
-    if at is not None and row is not None:
-        body = row[at]
-        if body is not None and len(body) > _KEPT_RESULT_BYTES:
-            # The cursor holds its last result until its next statement: a big one
-            # is let go with this cursor rather than kept by the pooled connection.
-            info.pop(_CURSOR, None)
+    statement.let_go_of_big_body(info, row)
     return row
