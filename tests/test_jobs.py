@@ -440,10 +440,15 @@ def _stream_run(
         kills = 0
         spawned = CONSUMERS
         while kills < KILLS:
-            time.sleep(rng.uniform(0.2, 0.6))
-            # Kill a consumer caught inside the work (its effect written, not committed),
-            # else any one.
-            busy = [n for n in sorted(consumers) if client.get(f"busy:{n}") is not None]
+            time.sleep(rng.uniform(0.05, 0.3))
+            # Kill a consumer caught inside the work (its effect written; in the control
+            # committed too), waiting a while for one, else any one.
+            busy: list[str] = []
+            waited = time.monotonic() + 3.0
+            while not busy and time.monotonic() < waited:
+                busy = [n for n in sorted(consumers) if client.get(f"busy:{n}") is not None]
+                if not busy:
+                    time.sleep(0.005)
             name = rng.choice(busy or sorted(consumers))
             victim = consumers.pop(name)
             os.kill(victim.pid, signal.SIGKILL)

@@ -27,6 +27,7 @@ from flask_idempotency import idempotent, signals
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.notify import PollSchedule, listener
 from flask_idempotency.notify import hub as wakeup
+from flask_idempotency.notify.redis import WAITING_SUFFIX
 from tests.support.gunicorn import GunicornServer
 from tests.support.redis_server import RedisServer
 from tests.support.tcp_proxy import TcpProxy
@@ -309,6 +310,10 @@ def test_c10_x15_after_a_restart_wakeups_come_back_by_message(
         second = threading.Thread(target=lambda: second_result.append(post(waiter)))
         second.start()
         wait_for(lambda: waiter.state.wakeups.parked_count == 1, "the duplicate to park")
+        # Parked counts the waiter before its mark is set in Redis: a completion before
+        # the mark would publish nothing, and the wake-up would come by the listener's
+        # resync instead (the probe's own mark above is for the digest of zeros).
+        wait_for(lambda: waiting_marks(redis_server.url) > 0, "the waiter's mark in Redis")
     finally:
         owner.gate.set()
         first.join(EVENTUALLY)
@@ -319,6 +324,16 @@ def test_c10_x15_after_a_restart_wakeups_come_back_by_message(
     assert duplicate.data == first_result[0].data
     assert subscriber.messages > messages_before
     assert owner.calls == [1, 1] and waiter.calls == []
+
+
+def waiting_marks(url: str) -> int:
+    """Waiting marks in Redis, but the one for the digest of zeros (a probe's)."""
+    client = redis.Redis.from_url(url)
+    try:
+        names = client.scan_iter(match=f"*:{WAITING_SUFFIX}:*", count=1000)
+        return sum(1 for name in names if b"0" * 64 not in name)
+    finally:
+        client.close()
 
 
 # -- C25 ----------------------------------------------------------------------------

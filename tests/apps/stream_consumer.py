@@ -10,7 +10,8 @@ elsewhere stays pending and comes back later.
 
 Counters in Redis for the test: ``deliveries:<msg>`` (every delivery of an entry),
 ``started:<msg>`` (every time the work began), ``claimed`` (entries XAUTOCLAIMed),
-and ``busy:<name>`` while this consumer is inside the work (the test kills it there).
+and ``busy:<name>`` while this consumer is inside the work, its effect written (the
+test kills it there).
 Environment: ``STREAM_REDIS_URL``, ``STREAM_DATABASE_URL``, ``STREAM_TABLE``, and
 ``STREAM_ATOMIC=0`` for the control run, where the effect commits on its own.
 """
@@ -64,10 +65,12 @@ def main(name: str) -> None:
     @idempotency.once(lambda msg: f"order:{msg}", atomic=atomic, lease=2.0, wait=1.0)
     def apply(msg: str) -> dict[str, Any]:
         stats.incr(f"started:{msg}")
-        stats.set(f"busy:{name}", msg)  # the test SIGKILLs consumers caught here
         db.session.execute(effects.insert().values(msg=msg, consumer=name))
         if not atomic:
             db.session.commit()  # the control: the effect commits apart from the record
+        # The test SIGKILLs consumers caught here: the effect written and, in the
+        # control, committed; the record not completed.
+        stats.set(f"busy:{name}", msg)
         time.sleep(random.uniform(0.03, 0.12))  # the rest of the work: room for a SIGKILL
         return {"msg": msg, "by": name}
 
