@@ -448,11 +448,12 @@ def test_i26_6_c41_without_redis_a_missing_identity_is_only_a_warning(make_app: 
 
 
 def test_i26_6_c25_a_database_down_at_first_use_is_a_503_and_nothing_in_redis(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The identity cannot be read while the database is down: the tier stays off (no name
     it could use is known to be this store's), the request is the usual 503, and the next
-    one asks again."""
+    one asks again. That is the database's outage, not Redis's, and the log says so (it
+    said "Redis unavailable")."""
     from tests.support.redis_server import free_port
 
     server = fakeredis.FakeServer()
@@ -469,9 +470,13 @@ def test_i26_6_c25_a_database_down_at_first_use_is_a_503_and_nothing_in_redis(
     def pay() -> Any:
         return jsonify(ok=True), 201
 
-    answer = app.test_client().post("/pay", json={}, headers={"Idempotency-Key": "k"})
+    with caplog.at_level("INFO", logger="flask_idempotency"):
+        answer = app.test_client().post("/pay", json={}, headers={"Idempotency-Key": "k"})
     assert answer.status_code == 503
     assert answer.get_json()["code"] == "store-unavailable"
     assert spy.keys("*") == []
-    store = app.extensions["idempotency"].store
-    assert store._identity is None
+    state = app.extensions["idempotency"]
+    assert state.store._identity is None
+    assert not [r for r in caplog.records if "Redis unavailable" in r.getMessage()]
+    assert any("waits for this store's identity" in r.getMessage() for r in caplog.records)
+    assert state.cache.outage.cause == "identity"

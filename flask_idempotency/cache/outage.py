@@ -29,6 +29,7 @@ from typing import Any
 from flask import current_app, has_app_context, has_request_context, request
 
 from .. import redis_clients, signals
+from ..store.errors import StoreError
 
 log = logging.getLogger("flask_idempotency")
 
@@ -55,6 +56,9 @@ class Outage:
         self._backoff = first
         #: The thread let through as this back-off period's probe (``None``: none is out).
         self._prober: int | None = None
+        #: What the latest counted failure was: ``"redis"``, or ``"identity"`` when the
+        #: store's identity (which names every key) could not be read from its database.
+        self.cause = "redis"
 
     @property
     def down(self) -> bool:
@@ -72,7 +76,7 @@ class Outage:
                 return True
             return False
 
-    def failed(self, slow: bool = True) -> bool:
+    def failed(self, slow: bool = True, cause: str = "redis") -> bool:
         """Record a failure; ``True`` if it starts a new outage.
 
         While down, only the probe's failure counts: ``slow`` (it timed out, so its
@@ -86,10 +90,12 @@ class Outage:
                 self._backoff = self._first
                 self._retry_at = self.clock() + self._backoff
                 self._prober = None
+                self.cause = cause
                 return True
             if self._prober != threading.get_ident():
                 return False
             self._prober = None
+            self.cause = cause
             if slow:
                 self._backoff = min(self._backoff * 2, self._cap)
             self._retry_at = self.clock() + self._backoff
@@ -167,14 +173,26 @@ def timed_out(exc: BaseException) -> bool:
 
 
 def report_failure(outage: Outage, exc: BaseException, action: str, key_digest: str | None) -> None:
-    if not outage.failed(slow=timed_out(exc)):
+    # Naming a key in Redis needs the store's identity, read from its database: a store
+    # error here means that database is down or misconfigured, not Redis. The tier backs
+    # off all the same (nothing it could name is known to be this store's), under that name.
+    identity = isinstance(exc, StoreError)
+    if not outage.failed(slow=timed_out(exc), cause="identity" if identity else "redis"):
         return
-    log.warning(
-        "idempotency: Redis unavailable (%s: %s); serving from the database and"
-        " polling for wake-ups until it is back",
-        type(exc).__name__,
-        exc,
-    )
+    if identity:
+        log.warning(
+            "idempotency: the Redis tier waits for this store's identity (%s: %s); serving"
+            " from the database until it can be read",
+            type(exc).__name__,
+            exc,
+        )
+    else:
+        log.warning(
+            "idempotency: Redis unavailable (%s: %s); serving from the database and"
+            " polling for wake-ups until it is back",
+            type(exc).__name__,
+            exc,
+        )
     if signals.store_error.receivers:
         signals.send(
             signals.store_error,
@@ -191,4 +209,7 @@ def report_failure(outage: Outage, exc: BaseException, action: str, key_digest: 
 
 def report_success(outage: Outage) -> None:
     if outage.succeeded():
-        log.info("idempotency: Redis is reachable again; cache and wake-ups resumed")
+        if outage.cause == "identity":
+            log.info("idempotency: this store's identity is read; cache and wake-ups resumed")
+        else:
+            log.info("idempotency: Redis is reachable again; cache and wake-ups resumed")
