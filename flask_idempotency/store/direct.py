@@ -79,7 +79,6 @@ class DirectStatements:
         #: connection is checked before its first prepared statement. psycopg2's are named
         #: by a hash of their text: one name, one statement, wherever it lands.
         self.prepare = True
-        self._check_for_pooler = self._psycopg3
 
     def usable(self) -> bool:
         """No listener on the engine would miss the statements run here."""
@@ -113,7 +112,7 @@ class DirectStatements:
     ) -> Any:
         """Run ``statement`` on ``cursor`` (in :meth:`run`'s ``work``, with its connection's
         ``info``); its first row. Prepared on the server unless a pooler was seen."""
-        if self._check_for_pooler and self.prepare and _NO_POOLER not in info:
+        if self._psycopg3 and self.prepare and _NO_POOLER not in info:  # (see prepare)
             if wire_psycopg.behind_pooler(cursor):
                 self._stop_preparing()
             else:
