@@ -172,6 +172,16 @@ def timed_out(exc: BaseException) -> bool:
     return False
 
 
+_REDIS_UNAVAILABLE = (
+    "idempotency: Redis unavailable (%s: %s); serving from the database and"
+    " polling for wake-ups until it is back"
+)
+_IDENTITY_UNREADABLE = (
+    "idempotency: the Redis tier waits for this store's identity (%s: %s); serving"
+    " from the database until it can be read"
+)
+
+
 def report_failure(outage: Outage, exc: BaseException, action: str, key_digest: str | None) -> None:
     # Naming a key in Redis needs the store's identity, read from its database: a store
     # error here means that database is down or misconfigured, not Redis. The tier backs
@@ -179,20 +189,7 @@ def report_failure(outage: Outage, exc: BaseException, action: str, key_digest: 
     identity = isinstance(exc, StoreError)
     if not outage.failed(slow=timed_out(exc), cause="identity" if identity else "redis"):
         return
-    if identity:
-        log.warning(
-            "idempotency: the Redis tier waits for this store's identity (%s: %s); serving"
-            " from the database until it can be read",
-            type(exc).__name__,
-            exc,
-        )
-    else:
-        log.warning(
-            "idempotency: Redis unavailable (%s: %s); serving from the database and"
-            " polling for wake-ups until it is back",
-            type(exc).__name__,
-            exc,
-        )
+    log.warning(_IDENTITY_UNREADABLE if identity else _REDIS_UNAVAILABLE, type(exc).__name__, exc)
     if signals.store_error.receivers:
         signals.send(
             signals.store_error,
