@@ -428,8 +428,12 @@ def test_i26_6_c45_a_missing_identity_keeps_redis_off_and_says_what_to_run(
 
     from tests.support.waiting import wait_until
 
-    wait_until(cached_again, "the Redis tier back in use", within=15)
+    with caplog.at_level("INFO", logger="flask_idempotency"):
+        wait_until(cached_again, "the Redis tier back in use", within=15)
     assert calls == [1]
+    # The database's table was missing, not Redis: the tier's return says so.
+    resumed = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
+    assert resumed == ["idempotency: this store's identity is read; cache and wake-ups resumed"]
     checked = runner.invoke(args=["idempotency", "check"])
     assert checked.exit_code == 0, checked.output
     assert f"the store's identity {store.identity().id}" in checked.output
