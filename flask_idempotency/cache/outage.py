@@ -180,6 +180,8 @@ _IDENTITY_UNREADABLE = (
     "idempotency: the Redis tier waits for this store's identity (%s: %s); serving"
     " from the database until it can be read"
 )
+_REDIS_BACK = "idempotency: Redis is reachable again; cache and wake-ups resumed"
+_IDENTITY_READ = "idempotency: this store's identity is read; cache and wake-ups resumed"
 
 
 def report_failure(outage: Outage, exc: BaseException, action: str, key_digest: str | None) -> None:
@@ -206,7 +208,4 @@ def report_failure(outage: Outage, exc: BaseException, action: str, key_digest: 
 
 def report_success(outage: Outage) -> None:
     if outage.succeeded():
-        if outage.cause == "identity":
-            log.info("idempotency: this store's identity is read; cache and wake-ups resumed")
-        else:
-            log.info("idempotency: Redis is reachable again; cache and wake-ups resumed")
+        log.info(_IDENTITY_READ if outage.cause == "identity" else _REDIS_BACK)
