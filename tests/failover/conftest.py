@@ -15,8 +15,9 @@ import pytest
 
 from tests.conftest import service_missing
 from tests.support.patroni import PatroniCluster, missing_parts
+from tests.support.summary import add_row
 
-_summary_rows: list[tuple[str, dict[str, Any]]] = []
+SECTION = "failover summary (Patroni pair, primary SIGKILLed mid-storm)"
 
 
 @pytest.fixture
@@ -53,34 +54,12 @@ def start_pair(tmp_path: Path, attempts: int = 2) -> PatroniCluster:
     raise AssertionError("unreachable")
 
 
-@pytest.fixture(scope="session")
-def failover_summary() -> Callable[[str, dict[str, Any]], None]:
-    """``failover_summary(name, figures)`` adds a row to the table printed at the end."""
+@pytest.fixture
+def failover_summary(request: pytest.FixtureRequest) -> Callable[[str, dict[str, Any]], None]:
+    """``failover_summary(name, figures)`` adds a row to the table printed at the end
+    (tests/support/summary.py)."""
 
     def report(name: str, figures: dict[str, Any]) -> None:
-        _summary_rows.append((name, dict(figures)))
+        add_row(request.node, SECTION, name, figures)
 
     return report
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not _summary_rows:
-        return
-    columns = list(dict.fromkeys(c for _, row in _summary_rows for c in row))
-    width = max(len(name) for name, _ in _summary_rows)
-    terminalreporter.section("failover summary (Patroni pair, primary SIGKILLed mid-storm)")
-    widths = {c: max(len(c), 6) + 2 for c in columns}
-    terminalreporter.write_line(
-        "driver".ljust(width) + "".join(c.rjust(widths[c]) for c in columns)
-    )
-    for name, row in _summary_rows:
-        cells = "".join(_cell(row.get(c)).rjust(widths[c]) for c in columns)
-        terminalreporter.write_line(name.ljust(width) + cells)
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return str(value)
