@@ -17,6 +17,9 @@ VENV_ARGS :=
 PIP := $(PY) -m pip
 endif
 PORT ?= 5000
+# pytest-xdist workers for make test / test-fast: more than the cores, since most of the
+# suite waits on servers, leases and sockets rather than computing (tests/support/parallel.py).
+TEST_WORKERS ?= 4
 HOST ?= 127.0.0.1
 
 .PHONY: install system-deps run test test-fast test-versions lint chaos bench profile soak docs dist package-check clean
@@ -65,10 +68,11 @@ system-deps:
 test: system-deps install
 	@$(PY) -c "import MySQLdb" 2>/dev/null || $(PIP) install --quiet 'mysqlclient >= 2.2' \
 	  || echo "make test: mysqlclient did not build (apt-get install libmariadb-dev pkg-config)"
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
+# The inner loop: no real server (no PostgreSQL, MariaDB or Redis server, nothing marked slow).
 test-fast: install
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow and not postgres and not mysql and not redis" $(PYTEST_ARGS)
 
 # The fault-injection suite alone: gunicorn workers SIGKILLed, Redis and PostgreSQL cut
 # off behind loopback proxies (tests/chaos/); `make test` runs it too.

@@ -21,7 +21,9 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, make_url
 
 from flask_idempotency import Idempotency
+from tests.support import parallel
 from tests.support.binaries import system_binary
+from tests.support.summary import SummaryTables
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PG_BASE_URL = os.environ.get(
@@ -86,6 +88,57 @@ def pg_url(request: pytest.FixtureRequest, pg_database: URL) -> URL:
     runs on psycopg2 and on psycopg 3 (issue 21, C51), the multi-process, chaos and
     topology tests included. A test about one driver names it on ``pg_database``."""
     return driver_url(pg_database, str(request.param))
+
+
+#: Connections the load server allows: two heavy tests at once, each with several gunicorn
+#: workers and their pools, and the ledgers they keep (tests/support/parallel.py).
+LOAD_SERVER_CONNECTIONS = 400
+
+
+@pytest.fixture(scope="session")
+def load_pg_database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[URL]:
+    """A database on a private PostgreSQL of this worker's own, for the heavy tests.
+
+    A heavy test (a load storm or SIGKILL campaign against gunicorn workers, each with its
+    pools) holds dozens of connections; two of them at once beside the rest of a parallel
+    run would exhaust the machine's server (``max_connections`` 100, which tests must not
+    change), and every other test would get "too many clients". This server is the same
+    PostgreSQL with room for them, durable like the machine's (fsync on), started on the
+    first heavy test of a worker and stopped by pid at the end of the run.
+    """
+    from tests.support.postgres_server import PostgresServer, postgres_bindir
+
+    if postgres_bindir() is None:
+        service_missing("PostgreSQL server binaries", "initdb/postgres not found")
+    server = PostgresServer(
+        tmp_path_factory.mktemp("load-pg"),
+        settings={
+            "fsync": "on",
+            "full_page_writes": "on",
+            "shared_buffers": "64MB",
+            "max_connections": str(LOAD_SERVER_CONNECTIONS),
+        },
+    )
+    try:
+        server.start()
+    except (OSError, RuntimeError) as exc:
+        server.stop()
+        pytest.fail(f"could not start the private PostgreSQL for heavy tests: {exc}")
+    try:
+        admin = create_engine(server.url, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text('CREATE DATABASE "load"'))
+        admin.dispose()
+        yield make_url(server.url_for("load"))
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def load_pg_url(pg_url: URL, load_pg_database: URL) -> URL:
+    """``pg_url``'s driver on the load server (``load_pg_database``): what a heavy test
+    that is parametrized by driver runs on."""
+    return load_pg_database.set(drivername=pg_url.drivername)
 
 
 @pytest.fixture(scope="session")
@@ -341,10 +394,42 @@ def redis_server(tmp_path: Any) -> Iterator[Any]:
         server.stop()
 
 
+def pytest_addoption(parser: Any) -> None:
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help="write each test's seconds to tests/durations.json, which orders the next"
+        " parallel run heaviest first (tests/support/parallel.py)",
+    )
+
+
+def pytest_configure(config: Any) -> None:
+    config.pluginmanager.register(parallel, "parallel-order")
+    if config.getoption("record_durations"):
+        config.pluginmanager.register(parallel.DurationRecorder(), "record-durations")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist names the groups in the test ids
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
-        if {"pg_url", "pg_driver_url", "pg_database"} & set(fixtures):
+        if {"pg_url", "pg_driver_url", "pg_database", "load_pg_database"} & set(fixtures):
             item.add_marker(pytest.mark.postgres)
         if "mysql_url" in fixtures:
             item.add_marker(pytest.mark.mysql)
+        if "redis_server" in fixtures:
+            item.add_marker(pytest.mark.redis)
+    parallel.group_shared_servers(items)  # the order comes last: parallel.py's own hook
+
+
+# -- the end-of-run tables (chaos, failover) -----------------------------------------
+
+_summary_tables = SummaryTables()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _summary_tables.collect(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    _summary_tables.print(terminalreporter)

@@ -48,7 +48,9 @@ SEED = 40
 
 
 @pytest.fixture
-def harness(pg_url: URL, pg_table: str) -> Iterator[AtomicHarness]:
+def harness(request: pytest.FixtureRequest, pg_url: URL, pg_table: str) -> Iterator[AtomicHarness]:
+    if request.node.get_closest_marker("heavy"):  # a SIGKILL campaign: on the load server
+        pg_url = request.getfixturevalue("load_pg_url")
     h = AtomicHarness(pg_url, pg_table)
     try:
         yield h
@@ -100,6 +102,7 @@ def kill_and_settle(harness: AtomicHarness, *, atomic: bool) -> tuple[CampaignRe
 
 
 @pytest.mark.chaos
+@pytest.mark.heavy
 def test_c40_sigkill_at_random_points_leaves_exactly_one_row_per_key(
     harness: AtomicHarness, record_property: Callable[[str, Any], None]
 ) -> None:
@@ -139,6 +142,7 @@ def test_c40_sigkill_at_random_points_leaves_exactly_one_row_per_key(
 
 
 @pytest.mark.chaos
+@pytest.mark.heavy
 def test_c40_without_atomic_mode_the_same_kills_leave_duplicates(
     harness: AtomicHarness, record_property: Callable[[str, Any], None]
 ) -> None:

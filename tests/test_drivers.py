@@ -131,6 +131,7 @@ print(sqlalchemy.__version__, driver, first.status_code, again.status_code,
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.postgres
 def test_c51_the_postgresql_extra_alone_serves_a_plain_url(
     pg_database: URL, pg_table: str, tmp_path: Any

@@ -384,28 +384,30 @@ def _start_consumer(env: dict[str, str], name: str, log: Path) -> subprocess.Pop
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_c50_stream_consumers_apply_each_message_once_despite_redelivery_and_kills(
-    pg_url, pg_table, tmp_path
+    load_pg_url, pg_table, tmp_path
 ) -> None:
     """Several consumer processes read one Redis Stream through a consumer group. Every
     message is published two or three times, and consumers are SIGKILLed mid-stream, so
     their pending entries are redelivered to the others by XAUTOCLAIM. Each message's
     effect is a row in PostgreSQL written in ``once(atomic=True)``: exactly one per message.
     """
-    effects, started = _stream_run(pg_url, pg_table, tmp_path, atomic=True)
+    effects, started = _stream_run(load_pg_url, pg_table, tmp_path, atomic=True)
     assert effects == dict.fromkeys(range(MESSAGES), 1), "one effect per message"
     assert sum(started.values()) > MESSAGES, "no SIGKILL landed inside the work"
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_c50_stream_control_an_effect_committed_apart_is_duplicated_by_the_kills(
-    pg_url, pg_table, tmp_path
+    load_pg_url, pg_table, tmp_path
 ) -> None:
     """The control: the same run, but the work commits its effect itself and the record
     completes afterwards (``atomic=False``). A SIGKILL between the two leaves an effect
     without a result; the redelivered message runs again. This shows the proof above can
     fail, and why effects in the database belong in ``atomic=True``."""
-    effects, _started = _stream_run(pg_url, pg_table, tmp_path, atomic=False)
+    effects, _started = _stream_run(load_pg_url, pg_table, tmp_path, atomic=False)
     assert set(effects) == set(range(MESSAGES)), "every message has its effect"
     assert any(count > 1 for count in effects.values()), "no kill landed between the commits"
 

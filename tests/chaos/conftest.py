@@ -10,7 +10,7 @@ never hide an execution, whichever database the store is on. Everything is
 stopped by pid at the end, also when the test fails.
 
 Each scenario reports one row (requests, executions, replays, 409s, 422s, 503s,
-5xx...) to a session collector, printed as a table at the end of the run.
+5xx...) with its test report, printed as a table at the end of the run.
 """
 
 from __future__ import annotations
@@ -35,26 +35,12 @@ from tests.chaos.chaosapp import ledger_tables
 from tests.conftest import driver_url, redis_server_binary
 from tests.support.gunicorn import GunicornServer
 from tests.support.redis_server import RedisServer
+from tests.support.summary import add_row
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.waiting import wait_until as _wait_until
 
 #: Seconds any "eventually" may take on a loaded 2-core machine.
 EVENTUALLY = 60.0
-SUMMARY_COLUMNS = (
-    "keys",
-    "requests",
-    "executions",
-    "originals",
-    "replays",
-    "409",
-    "422",
-    "503",
-    "other 5xx",
-    "no answer",
-    "kills",
-)
-
-_summary_rows: list[tuple[str, dict[str, int]]] = []
 
 
 # -- answers -------------------------------------------------------------------------
@@ -243,52 +229,41 @@ def rig(request: pytest.FixtureRequest, pg_database: URL, tmp_path: Any) -> Iter
 # -- the summary ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def chaos_summary() -> Callable[..., None]:
+@pytest.fixture
+def chaos_summary(request: pytest.FixtureRequest) -> Callable[..., None]:
     """``chaos_summary(name, answers, keys=..., executions=..., kills=...)`` adds a row
-    to the final table.
+    to the "chaos summary" table printed at the end of the run (tests/support/summary.py).
 
     ``executions`` above ``keys`` are re-runs: each must be explained (a kill, a store cut off).
     """
 
     def report(name: str, log: AnswerLog, *, keys: int, executions: int, kills: int = 0) -> None:
         answers = log.answers
-        _summary_rows.append(
-            (
-                name,
-                {
-                    "keys": keys,
-                    "requests": len(answers),
-                    "executions": executions,
-                    "originals": sum(a.original for a in answers),
-                    "replays": sum(a.status == 201 and a.replayed for a in answers),
-                    "409": sum(a.status == 409 for a in answers),
-                    "422": sum(a.status == 422 for a in answers),
-                    "503": sum(a.status == 503 for a in answers),
-                    "other 5xx": sum(
-                        a.status is not None and a.status >= 500 and a.status != 503
-                        for a in answers
-                    ),
-                    "no answer": sum(a.status is None for a in answers),
-                    "kills": kills,
-                },
-            )
-        )
+        row = {
+            "keys": keys,
+            "requests": len(answers),
+            "executions": executions,
+            "originals": sum(a.original for a in answers),
+            "replays": sum(a.status == 201 and a.replayed for a in answers),
+            "409": sum(a.status == 409 for a in answers),
+            "422": sum(a.status == 422 for a in answers),
+            "503": sum(a.status == 503 for a in answers),
+            "other 5xx": sum(
+                a.status is not None and a.status >= 500 and a.status != 503 for a in answers
+            ),
+            "no answer": sum(a.status is None for a in answers),
+            "kills": kills,
+        }
+        add_row(request.node, "chaos summary", name, row)
 
     return report
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not _summary_rows:
-        return
-    width = max(len(name) for name, _ in _summary_rows)
-    terminalreporter.section("chaos summary")
-    header = "scenario".ljust(width) + "".join(f"{c:>11}" for c in SUMMARY_COLUMNS)
-    terminalreporter.write_line(header)
-    for name, row in _summary_rows:
-        terminalreporter.write_line(
-            name.ljust(width) + "".join(f"{row[c]:>11}" for c in SUMMARY_COLUMNS)
-        )
+@pytest.fixture(scope="session")
+def pg_database(load_pg_database: URL) -> URL:
+    """Every chaos scenario is heavy: its store and ledger live on the load server
+    (tests/conftest.py), not on the machine's PostgreSQL that the other tests share."""
+    return load_pg_database
 
 
 wait_until = functools.partial(_wait_until, within=EVENTUALLY)

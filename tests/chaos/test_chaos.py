@@ -28,7 +28,13 @@ from tests.support.gunicorn import GunicornServer
 
 from .conftest import EVENTUALLY, Answer, AnswerLog, ChaosRig, send, wait_until
 
-pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
+pytestmark = [
+    pytest.mark.chaos,
+    pytest.mark.slow,
+    pytest.mark.heavy,
+    pytest.mark.postgres,
+    pytest.mark.redis,
+]
 
 #: Attempts one client makes for one key before it gives up (every loop is bounded).
 CLIENT_ATTEMPTS = 40

@@ -13,6 +13,14 @@ from tests.support.pgbouncer import PgBouncer, pgbouncer_binary
 
 
 @pytest.fixture(scope="session")
+def pg_database(load_pg_database: URL) -> URL:
+    """The matrix is heavy (gunicorn hosts with their pools, cell after cell): its
+    databases, and the PgBouncer in front of them, are on the load server
+    (tests/conftest.py), not on the machine's PostgreSQL that the other tests share."""
+    return load_pg_database
+
+
+@pytest.fixture(scope="session")
 def pgbouncer(pg_database: URL) -> Iterator[PgBouncer]:
     """A real PgBouncer in transaction-pooling mode in front of the test PostgreSQL.
 

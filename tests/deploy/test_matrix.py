@@ -44,7 +44,10 @@ from tests.support.gunicorn import REPO_ROOT, GunicornServer
 from tests.support.pgbouncer import PgBouncer
 from tests.support.redis_server import RedisServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis, pytest.mark.heavy]
+#: Requested by name in each cell: one worker runs every cell (tests/support/parallel.py),
+#: so they share one PgBouncer and one Redis, and the report at the end gathers them all.
+SHARED_SERVERS = ("pgbouncer", "matrix_redis")
 
 KEYS = 6
 DUPLICATES = 5

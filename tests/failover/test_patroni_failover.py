@@ -62,7 +62,7 @@ from tests.failover.failapp import Ledger
 from tests.support.gunicorn import REPO_ROOT, GunicornServer
 from tests.support.patroni import PatroniCluster, PatroniNode
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.postgres]
 
 APP = "tests.failover.failapp:create_app()"
 KEYS = 60
