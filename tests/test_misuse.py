@@ -380,21 +380,6 @@ def test_i23_4_c56_a_ttl_below_the_default_lease_says_the_lease_is_the_default(t
     assert "IDEMPOTENCY_TTL = 3 s" in message and "below 3" in message
 
 
-def test_i23_4_c56_a_route_ttl_below_the_app_lease_names_both(tmp_path) -> None:
-    app = _app(tmp_path)
-
-    @app.post("/quick")
-    @idempotent(ttl=30)
-    def quick():
-        return "ok", 201
-
-    with pytest.raises(ValueError) as raised:
-        Idempotency(app)
-    message = str(raised.value)
-    assert "'quick'" in message and "@idempotent(ttl=...) = 30 s" in message
-    assert "IDEMPOTENCY_LEASE = 60 s (its default)" in message
-
-
 def test_i23_4_c56_show_without_scope_names_the_scope_it_searched(tmp_path) -> None:
     app = _app(tmp_path)
     Idempotency(app)
