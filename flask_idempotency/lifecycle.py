@@ -37,7 +37,7 @@ from .config import EffectiveOptions, RouteOptions
 from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, decide
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
-from .marks import GUARDED_ATTR, ROUTE_OPTIONS_ATTR, marked, route_options
+from .marks import ROUTE_OPTIONS_ATTR, marked, route_options, unguarded
 from .notify import wait_for_owner
 from .problems import (
     InvalidKeyProblem,
@@ -119,7 +119,7 @@ def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper that stands for ``view``: decide, run the view as the owner, settle."""
     state: AppState = app.extensions["idempotency"]
     # The view itself, not the guard that refuses to run it in an app without the layer.
-    run_view = app.ensure_sync(getattr(view, GUARDED_ATTR, view))  # a coroutine view as Flask
+    run_view = app.ensure_sync(unguarded(view))  # a coroutine view as Flask
     # A view function's own options are fixed; a class-based view's depend on the method.
     fixed: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
 

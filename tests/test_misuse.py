@@ -430,3 +430,42 @@ def test_i23_4_c33_c56_a_response_over_the_body_limit_is_named_once_per_endpoint
     assert len(lines) == 3
     assert "'export'" in lines[0] and "(10 bytes)" in lines[0] and "omitted" in lines[0]
     assert "'report'" in lines[1] and "'once:once'" in lines[2]
+
+
+# -- a decorator stacked above @idempotent ------------------------------------------------------
+
+
+def test_i35_c56_a_decorator_stacked_above_idempotent_still_runs(tmp_path) -> None:
+    """``@login_required``/``@app.input``-style decorators copy the guard's attributes onto
+    their own wrapper (functools.wraps). The layer took the copied attribute for the guard
+    itself and called the bare view: the decorator above was skipped (an authentication
+    check bypassed; APIFlask's parsed body missing, a TypeError)."""
+    import functools
+
+    def needs_token(view):
+        @functools.wraps(view)
+        def checked(*args, **kwargs):
+            from flask import request
+
+            if request.headers.get("X-Token") != "secret":
+                return jsonify(error="no token"), 401
+            return view(*args, token="secret", **kwargs)
+
+        return checked
+
+    app = _app(tmp_path)
+
+    @app.post("/pay")
+    @needs_token
+    @idempotent
+    def pay(token: str):
+        return jsonify(token=token), 201
+
+    Idempotency(app)
+    client = app.test_client()
+    refused = client.post("/pay", json={}, headers=KEY)
+    assert refused.status_code == 401, refused.get_data(as_text=True)
+    paid = client.post("/pay", json={}, headers={**KEY, "X-Token": "secret"})
+    assert paid.status_code == 201 and paid.get_json() == {"token": "secret"}
+    again = client.post("/pay", json={}, headers={**KEY, "X-Token": "secret"})
+    assert again.headers.get("Idempotent-Replayed") == "true"
