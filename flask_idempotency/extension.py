@@ -16,6 +16,7 @@ from .completion.unit import guard_sessions
 from .config import ConfigVars, Settings, misspelt_names
 from .jobs import Once
 from .notify import WakeupHub
+from .problems import IdempotencyProblem
 from .state import EXTENSION_NAME, AppState, describe_url, redis_target
 from .store import DurableStore
 from .store.connect import lazy_engine
@@ -68,6 +69,7 @@ class Idempotency:
         if settings.enabled:  # the views registered by now; the rest at the first request
             misuse.report(app, state, app.view_functions)
         app.add_template_global(forms.idempotency_key_field, "idempotency_key_field")  # C49
+        _answer_problems(app)
         if settings.enabled:  # else marked views run plainly: no hook, no store, no Redis (C56)
             lifecycle.install(app)
             got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
@@ -224,6 +226,26 @@ class Idempotency:
 #: Flask's convention for configuration from the environment: ``FLASK_<KEY>`` read by
 #: ``app.config.from_prefixed_env()``.
 _FLASK_ENV_PREFIX = "FLASK_"
+
+
+def _answer_problems(app: Flask) -> None:
+    """Answer the layer's problems as their own problem+json documents (C27), even in an
+    app whose handler for ``HTTPException`` reshapes every error.
+
+    flask-smorest and APIFlask register such a handler, which turned a ``missing-key``
+    into their own JSON error and made the answers the API's OpenAPI description
+    promises (C64) untrue. Flask prefers a handler for ``IdempotencyProblem`` to one
+    for ``HTTPException`` or ``Exception`` (it walks the exception's classes), and a
+    handler for a status code, a blueprint's, or the app's own for
+    ``IdempotencyProblem`` (registered before or after this) to this default.
+    """
+    handlers = app.error_handler_spec.get(None, {}).get(None, {})
+    if IdempotencyProblem not in handlers:
+        app.register_error_handler(IdempotencyProblem, _problem_document)
+
+
+def _problem_document(problem: IdempotencyProblem) -> Any:
+    return problem.get_response()
 
 
 def _warn_misspelt(app: Flask) -> None:
