@@ -177,6 +177,9 @@ class Idempotency:
             factory: Callable[[], Engine] = lambda: engine  # noqa: E731
         elif self._db is not None:
             db = self._db
+            # Named here, not as a ModuleNotFoundError from deep in Flask-SQLAlchemy, when
+            # init_app runs before db.init_app (which builds the engine at once) (C51).
+            check_driver(app.config.get("SQLALCHEMY_DATABASE_URI"), "SQLALCHEMY_DATABASE_URI")
 
             def factory() -> Engine:
                 with app.app_context():
