@@ -171,12 +171,21 @@ def prune_command(batch_size: int, dry_run: bool, max_seconds: float | None, pau
                 break
             if pause:
                 time.sleep(pause)
-    click.echo(f"Deleted {deleted} expired records in {batches} batches.")
+    click.echo(_deleted(deleted, batches))
     if out_of_time:
         click.echo(
             f"Stopped after --max-seconds {max_seconds:g}; about"
             f" {max(estimate - deleted, 0)} expired records remain for the next run."
         )
+
+
+def _deleted(deleted: int, batches: int) -> str:
+    """``Deleted 1 expired record in 1 batch.``; with nothing to delete, it says so (it
+    read "Deleted 0 expired records in 1 batches.")."""
+    if not deleted:
+        return "Deleted 0 expired records: there were none."
+    records = "record" if deleted == 1 else "records"
+    return f"Deleted {deleted} expired {records} in {batches} batch{'' if batches == 1 else 'es'}."
 
 
 @contextmanager

@@ -143,10 +143,11 @@ class Idempotency:
     def _describe_tiers(self, app: Flask, settings: Settings) -> str:
         """``store: <dialect> (<where>), table 'name'; cache: …; wake-ups: …`` for the log."""
         if self._engine is not None:
-            store = f"{describe_url(self._engine.url)} (engine=)"
+            store = f"{describe_url(self._engine.url)} (the engine given as engine=)"
         elif self._db is not None:
             uri = app.config.get("SQLALCHEMY_DATABASE_URI")
-            store = f"{describe_url(uri) if uri else 'the default engine'} (Flask-SQLAlchemy db=)"
+            where = describe_url(uri) if uri else "its default engine"
+            store = f"{where} (Flask-SQLAlchemy's database, given as db=)"
         elif settings.database_uri:
             store = describe_url(settings.database_uri)
         else:
