@@ -59,7 +59,7 @@ def check_driver(uri: Any, setting: str = "IDEMPOTENCY_DATABASE_URI") -> None:
         backend = url.get_backend_name()
         name, package, extra = _DRIVERS.get((backend, dialect.driver), (dialect.driver, None, None))
         # The package by its own name: Flask-Idempotency is on no index yet, so
-        # `pip install 'Flask-Idempotency[extra]'` would not work; the extra is named too.
+        # installing the package's extra by name would not work; the extra is named too.
         install = (
             f"pip install '{package}' (Flask-Idempotency's extra '{extra}')"
             if package
