@@ -17,8 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: "(numbers 34 to 39 are not assigned)", as the guarantees page says.
 UNASSIGNED = frozenset(range(34, 40))
-#: Rules landing together with this check from other branches (C58–C62: issue 33's
-#: store outcomes and lease, issue 34's cache MAC, masked credentials, caching headers).
+#: Rules landing together with this check from other branches (numbers 58 to 62: issue
+#: 33's store outcomes and lease, issue 34's cache MAC, masked credentials, caching headers).
 #: Exempt only while the guarantees page has no anchor for them: once it has, each is
 #: checked like every other rule, so this set can do nothing after their merge.
 LANDING_IN_PARALLEL = frozenset(range(58, 63))
