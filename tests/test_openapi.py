@@ -416,3 +416,21 @@ def test_c64_spectree_with_describe_spec(tmp_path) -> None:
         describe_spec(api.spec, app)
     spec = _valid(app.test_client().get("/apidoc/openapi.json").get_json())
     _assert_described(spec, spec["paths"]["/pets"]["post"], required=False, success="201")
+
+
+def test_c64_describe_spec_twice_changes_nothing_more_and_leaves_other_specs_alone(
+    tmp_path,
+) -> None:
+    """A spec described again (a framework that rebuilds it, a processor run twice) is the
+    same spec; one with no protected operation is left exactly as it was."""
+    import copy
+
+    from recipes import openapi_apiflask
+
+    app = openapi_apiflask.create_app(_config(tmp_path, "3.1.0"))
+    spec = _served_spec(app)
+    with app.app_context():
+        again = describe_spec(copy.deepcopy(spec))
+    assert again == spec
+    plain = {"openapi": "3.0.3", "info": {"title": "t", "version": "1"}, "paths": {}}
+    assert describe_spec(copy.deepcopy(plain), app) == plain

@@ -159,7 +159,7 @@ def describe_spec(spec: dict[str, Any], app: Flask | None = None) -> dict[str, A
         raise ValueError(f"describe_spec documents OpenAPI 3.0 and 3.1, not {version!r}.")
     settings = settings_of(app)
     views = views_by_path(app)
-    components = spec.setdefault("components", {})
+    components = spec.get("components", {})
     described = False
     for path, item in spec.get("paths", {}).items():
         for method, operation in item.items():
@@ -167,7 +167,8 @@ def describe_spec(spec: dict[str, Any], app: Flask | None = None) -> dict[str, A
             if view is not None and _describe(operation, settings, view, method, components):
                 described = True
     if described:
-        components.setdefault("schemas", {}).setdefault(PROBLEM_SCHEMA_NAME, problem_schema())
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        schemas.setdefault(PROBLEM_SCHEMA_NAME, problem_schema())
     return spec
 
 
