@@ -91,14 +91,15 @@ def test_c51_the_example_extra_carries_both_postgresql_drivers_and_pymysql() -> 
 
 
 @pytest.fixture
-def private_pg_database(pg_url: URL) -> Iterator[URL]:
-    """A database of this test's own (the example creates its tables and migrations')."""
-    name = f"{pg_url.database}_run_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+def private_pg_database(pg_database: URL) -> Iterator[URL]:
+    """A database of this test's own (the example creates its tables and migrations'). Not
+    through ``pg_url``: the plain URL names no driver, so one run covers it."""
+    name = f"{pg_database.database}_run_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(pg_database, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     try:
-        yield pg_url.set(database=name)
+        yield pg_database.set(database=name)
     finally:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
