@@ -93,9 +93,16 @@ def _env_config() -> dict[str, Any]:
 
 
 def _normalise_database_url(url: str) -> str:
-    """Accept the ``postgres://`` spelling many hosts hand out; SQLAlchemy wants ``postgresql``."""
+    """Accept the ``postgres://`` spelling many hosts hand out (SQLAlchemy wants
+    ``postgresql``), and a plain ``mysql://`` or ``mariadb://`` with the driver the
+    example installs, PyMySQL (SQLAlchemy would pick mysqlclient, which needs a C
+    compiler to install). A plain ``postgresql://`` stays: the example installs both
+    drivers SQLAlchemy may pick for it (C51)."""
     if url.startswith("postgres://"):
         return "postgresql+psycopg2://" + url[len("postgres://") :]
+    for plain in ("mysql://", "mariadb://"):
+        if url.startswith(plain):
+            return plain[:-3] + "+pymysql://" + url[len(plain) :]
     return url
 
 
@@ -161,8 +168,10 @@ def create_app(config: dict[str, Any] | None = None, *, instance_path: str | Non
     if not app.config.get("SECRET_KEY"):
         app.config["SECRET_KEY"] = _instance_secret(app.instance_path)
 
-    db.init_app(app)
+    # The extension first: a missing database driver is then named by init_app (C51), not
+    # raised as a bare ModuleNotFoundError by db.init_app, which builds the engine at once.
     idempotency.init_app(app)
+    db.init_app(app)
     migrate.init_app(app, db, directory=MIGRATIONS_DIR)
     app.register_blueprint(api)
     app.register_error_handler(HTTPException, _problem_for_http_error)

@@ -17,6 +17,7 @@ from typing import Any
 import flask_migrate
 from flask import Flask
 from sqlalchemy import inspect
+from sqlalchemy.exc import DBAPIError
 from werkzeug.serving import run_simple
 
 from flask_idempotency import signals
@@ -137,9 +138,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    app = create_app()
+    try:
+        app = create_app()
+    except (ValueError, RuntimeError) as exc:  # a setting or a driver: say which, no traceback
+        raise SystemExit(f"The example cannot start: {exc}") from None
     logging.getLogger("example").setLevel(logging.INFO)
-    how = prepare_database(app)
+    try:
+        how = prepare_database(app)
+    except DBAPIError as exc:  # the server is down, the database missing, access refused
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+        where = _without_password(app.config["SQLALCHEMY_DATABASE_URI"])
+        raise SystemExit(f"The example cannot reach its database {where}: {reason}") from None
     redis_url = app.config.get("IDEMPOTENCY_REDIS_URL")
     print(f"Database: {_without_password(app.config['SQLALCHEMY_DATABASE_URI'])} (schema: {how})")
     print(f"Redis:    {_without_password(redis_url) if redis_url else 'none (durable tier only)'}")

@@ -24,6 +24,7 @@ from .problems import (
     MissingKey,
     RequestInProgress,
     RequestTooLarge,
+    RouteMisconfigured,
     StoreUnavailable,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "MissingKey",
     "RequestInProgress",
     "RequestTooLarge",
+    "RouteMisconfigured",
     "StoreUnavailable",
     "current_key_digest",
     "idempotent",

@@ -171,12 +171,21 @@ def prune_command(batch_size: int, dry_run: bool, max_seconds: float | None, pau
                 break
             if pause:
                 time.sleep(pause)
-    click.echo(f"Deleted {deleted} expired records in {batches} batches.")
+    click.echo(_deleted(deleted, batches))
     if out_of_time:
         click.echo(
             f"Stopped after --max-seconds {max_seconds:g}; about"
             f" {max(estimate - deleted, 0)} expired records remain for the next run."
         )
+
+
+def _deleted(deleted: int, batches: int) -> str:
+    """``Deleted 1 expired record in 1 batch.``; with nothing to delete, it says so (it
+    read "Deleted 0 expired records in 1 batches.")."""
+    if not deleted:
+        return "Deleted 0 expired records: there were none."
+    records = "record" if deleted == 1 else "records"
+    return f"Deleted {deleted} expired {records} in {batches} batch{'' if batches == 1 else 'es'}."
 
 
 @contextmanager
@@ -429,7 +438,9 @@ def forget_command(
 @idempotency_cli.command("check")
 @database_errors
 def check_command() -> None:
-    """Check the database and the table against this version's definition, then the Redis tier."""
+    """Check the marked routes against the app's settings, the database and the table
+    against this version's definition, then the Redis tier."""
+    routes = _check_routes()
     maintenance = _maintenance()
     report = maintenance.check_schema()
     if not report.exists:
@@ -447,6 +458,39 @@ def check_command() -> None:
     click.echo(f"OK: the table {report.table!r} matches what Flask-Idempotency expects.")
     _check_identity(maintenance.check_identity())
     _check_redis_tier()
+    routes()
+
+
+def _check_routes() -> Callable[[], None]:
+    """List what is wrong with the marked routes (C56, C63) now, before anything that may
+    fail; return what says the verdict at the end (exit 1 for a route that cannot be
+    served). The app's views are final here, as at its first request."""
+    from .marks import marked
+    from .misuse import findings
+
+    state = _state()
+    views = current_app.view_functions
+    found = findings(current_app, state.settings, views, has_db=state.has_db)
+    for finding in found:
+        kind = "error" if finding.error else "warning"
+        click.echo(f"{kind}: {printable(finding.message)}", err=True)
+    count = sum(1 for view in views.values() if marked(view))
+    broken = len({finding.endpoint for finding in found if finding.error})
+    unprotected = len({finding.endpoint for finding in found if not finding.error})
+
+    def verdict() -> None:
+        if broken:
+            raise click.ClickException(
+                f"{broken} route{' cannot' if broken == 1 else 's cannot'} be served (above):"
+                " each answers 500 route-misconfigured until its options are fixed."
+            )
+        routes = f"{count} route{'' if count == 1 else 's'} marked @idempotent"
+        if unprotected:
+            click.echo(f"Routes: {routes}; {unprotected} of them run unprotected (above).")
+        else:
+            click.echo(f"OK: {routes}, none misconfigured.")
+
+    return verdict
 
 
 def _check_identity(report: IdentityReport) -> None:

@@ -8,6 +8,7 @@ re-parses configuration and a mistyped value fails at start-up, not at 3 a.m.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 from collections.abc import Iterable, Mapping
@@ -239,7 +240,42 @@ class Settings:
 
 def config_key(field_name: str) -> str:
     """The ``app.config`` key of one :class:`Settings` field: ``ttl`` → ``IDEMPOTENCY_TTL``."""
-    return "IDEMPOTENCY_" + field_name.upper()
+    return PREFIX + field_name.upper()
+
+
+#: Where a setting's name starts: ``IDEMPOTENCY_`` (C63 also reads ``IDEMPOTENT_…`` and
+#: ``IDEMPOTENCE_…`` as attempts at it).
+PREFIX = "IDEMPOTENCY_"
+_NEAR_PREFIX = "IDEMPOT"
+
+
+def misspelt_names(names: Iterable[str]) -> list[tuple[str, str | None]]:
+    """The names among ``names`` that look like a setting but are none, each with the
+    closest setting (``None`` when nothing is close): ``IDEMPOTENCY_TLL`` →
+    ``IDEMPOTENCY_TTL`` (C63).
+
+    The list of settings is the fields of :class:`Settings`, so it cannot drift. Names
+    are compared after the prefix, where a typo is (the shared prefix would make every
+    name look close to every other); a misspelt prefix is compared whole.
+    """
+    known = [config_key(field.name) for field in dataclasses.fields(Settings)]
+    suffixes = {name.removeprefix(PREFIX): name for name in known}
+    found: list[tuple[str, str | None]] = []
+    for name in names:
+        if not isinstance(name, str) or name in known:
+            continue
+        upper = name.upper()
+        if not upper.startswith(_NEAR_PREFIX):
+            continue
+        if upper in known:  # only the case differs: app.config keys are case-sensitive
+            found.append((name, upper))
+        elif upper.startswith(PREFIX):
+            close = difflib.get_close_matches(upper.removeprefix(PREFIX), suffixes, n=1)
+            found.append((name, suffixes[close[0]] if close else None))
+        else:
+            close = difflib.get_close_matches(upper, known, n=1, cutoff=0.8)
+            found.append((name, close[0] if close else None))
+    return found
 
 
 class _ConfigNames(type):

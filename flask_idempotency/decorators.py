@@ -120,7 +120,7 @@ def _guarded(view: F) -> F:
             return view(*args, **kwargs)
 
         guard = guarded
-    setattr(guard, GUARDED_ATTR, view)
+    setattr(guard, GUARDED_ATTR, (guard, view))  # see marks.unguarded
     return guard  # type: ignore[no-any-return]
 
 

@@ -10,13 +10,13 @@ from typing import Any
 from flask import Flask, current_app, got_request_exception
 from sqlalchemy import Engine
 
-from . import forms, lifecycle
+from . import forms, lifecycle, misuse
 from .cache import NoCache, ResponseCache
 from .completion.unit import guard_sessions
-from .config import ConfigVars, EffectiveOptions, Settings
+from .config import ConfigVars, Settings, misspelt_names
 from .jobs import Once
-from .marks import ROUTE_OPTIONS_ATTR
 from .notify import WakeupHub
+from .problems import IdempotencyProblem
 from .state import EXTENSION_NAME, AppState, describe_url, redis_target
 from .store import DurableStore
 from .store.connect import lazy_engine
@@ -57,15 +57,19 @@ class Idempotency:
             if existing.extension is self:
                 return
             raise RuntimeError("Another Idempotency instance is already registered on this app.")
+        _warn_misspelt(app)
         settings = Settings.from_config(app.config)
         if settings.atomic and self._db is None:
             raise ValueError("IDEMPOTENCY_ATOMIC needs Idempotency(db=db) (C40).")
-        _check_registered_views(app, settings)
         store = self._build_store(app, settings)
         wakeups = WakeupHub(max_waiters=settings.max_waiters)
         cache = self._build_cache(settings, store, wakeups)
-        app.extensions[EXTENSION_NAME] = AppState(self, settings, store, cache, wakeups)
+        state = AppState(self, settings, store, cache, wakeups)
+        app.extensions[EXTENSION_NAME] = state
+        if settings.enabled:  # the views registered by now; the rest at the first request
+            misuse.report(app, state, app.view_functions)
         app.add_template_global(forms.idempotency_key_field, "idempotency_key_field")  # C49
+        _answer_problems(app)
         if settings.enabled:  # else marked views run plainly: no hook, no store, no Redis (C56)
             lifecycle.install(app)
             got_request_exception.connect(lifecycle.mark_failed, app, weak=False)
@@ -139,10 +143,11 @@ class Idempotency:
     def _describe_tiers(self, app: Flask, settings: Settings) -> str:
         """``store: <dialect> (<where>), table 'name'; cache: …; wake-ups: …`` for the log."""
         if self._engine is not None:
-            store = f"{describe_url(self._engine.url)} (engine=)"
+            store = f"{describe_url(self._engine.url)} (the engine given as engine=)"
         elif self._db is not None:
             uri = app.config.get("SQLALCHEMY_DATABASE_URI")
-            store = f"{describe_url(uri) if uri else 'the default engine'} (Flask-SQLAlchemy db=)"
+            where = describe_url(uri) if uri else "its default engine"
+            store = f"{where} (Flask-SQLAlchemy's database, given as db=)"
         elif settings.database_uri:
             store = describe_url(settings.database_uri)
         else:
@@ -173,6 +178,9 @@ class Idempotency:
             factory: Callable[[], Engine] = lambda: engine  # noqa: E731
         elif self._db is not None:
             db = self._db
+            # Named here, not as a ModuleNotFoundError from deep in Flask-SQLAlchemy, when
+            # init_app runs before db.init_app (which builds the engine at once) (C51).
+            check_driver(app.config.get("SQLALCHEMY_DATABASE_URI"), "SQLALCHEMY_DATABASE_URI")
 
             def factory() -> Engine:
                 with app.app_context():
@@ -224,6 +232,60 @@ class Idempotency:
 _FLASK_ENV_PREFIX = "FLASK_"
 
 
+def _answer_problems(app: Flask) -> None:
+    """Answer the layer's problems as their own problem+json documents (C27), even in an
+    app whose handler for ``HTTPException`` reshapes every error.
+
+    flask-smorest and APIFlask register such a handler, which turned a ``missing-key``
+    into their own JSON error and made the answers the API's OpenAPI description
+    promises (C64) untrue. Flask prefers a handler for ``IdempotencyProblem`` to one
+    for ``HTTPException`` or ``Exception`` (it walks the exception's classes), and a
+    handler for a status code, a blueprint's, or the app's own for
+    ``IdempotencyProblem`` (registered before or after this) to this default.
+    """
+    handlers = app.error_handler_spec.get(None, {}).get(None, {})
+    if IdempotencyProblem not in handlers:
+        app.register_error_handler(IdempotencyProblem, _problem_document)
+
+
+def _problem_document(problem: IdempotencyProblem) -> Any:
+    return problem.get_response()
+
+
+def _warn_misspelt(app: Flask) -> None:
+    """Name each ``IDEMPOTENCY_*`` key of ``app.config``, and each ``FLASK_IDEMPOTENCY_*``
+    variable of the environment, that is no setting, with the closest one (C63).
+
+    Unknown keys are ignored as in every Flask extension, which turns a typo
+    (``IDEMPOTENCY_TLL = 5``) into a default nobody chose. A variable that
+    ``from_prefixed_env()`` has already copied into ``app.config`` is named once, as
+    the key. Only the ``FLASK_`` form of the environment is read: unprefixed
+    ``IDEMPOTENCY_*`` variables may be anyone's (a test suite's, say).
+    """
+    for name, closest in misspelt_names(app.config):
+        log.warning(
+            "idempotency: app.config sets %r, which is no Flask-Idempotency setting, so it is"
+            " ignored; %s",
+            name,
+            f"did you mean {closest}?" if closest else "the settings: docs/configuration.md.",
+        )
+    unprefixed = {
+        name.removeprefix(_FLASK_ENV_PREFIX): name
+        for name in os.environ
+        if name.startswith(_FLASK_ENV_PREFIX)
+        and name.removeprefix(_FLASK_ENV_PREFIX) not in app.config
+    }
+    for name, closest in misspelt_names(unprefixed):
+        log.warning(
+            "idempotency: the environment sets %s, which names no Flask-Idempotency setting"
+            " (FLASK_ + a setting's name), so it is ignored; %s",
+            unprefixed[name],
+            f"did you mean {_FLASK_ENV_PREFIX}{closest}?"
+            if closest
+            else "the settings: docs/configuration.md.",
+        )
+
+
 def _warn_unread_environment(app: Flask) -> None:
     """Name ``IDEMPOTENCY_*`` settings set in the environment that ``app.config`` never got.
 
@@ -252,17 +314,3 @@ def _warn_unread_environment(app: Flask) -> None:
             ", ".join(names),
             app.name,
         )
-
-
-def _check_registered_views(app: Flask, settings: Settings) -> None:
-    """Fail at start-up, not at the first request, when a view's options clash with the app's.
-
-    Views registered after ``init_app`` are checked when their first request arrives.
-    """
-    for endpoint, view in app.view_functions.items():
-        route = getattr(view, ROUTE_OPTIONS_ATTR, None)
-        if route is not None:
-            try:
-                EffectiveOptions.merge(settings, route)
-            except ValueError as exc:
-                raise ValueError(f"@idempotent on {endpoint!r}: {exc}") from None

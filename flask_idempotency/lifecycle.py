@@ -37,12 +37,13 @@ from .config import EffectiveOptions, RouteOptions
 from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, decide
 from .fingerprint import key_digest, request_fingerprint
 from .keys import InvalidKey, parse_key
-from .marks import GUARDED_ATTR, ROUTE_OPTIONS_ATTR, marked, route_options
+from .marks import ROUTE_OPTIONS_ATTR, marked, route_options, unguarded
 from .notify import wait_for_owner
 from .problems import (
     InvalidKeyProblem,
     MissingKey,
     RequestInProgress,
+    RouteMisconfigured,
     StoreUnavailable,
 )
 from .problems import KeyReused as KeyReusedProblem
@@ -105,22 +106,20 @@ def protect_views(app: Flask) -> None:
     registered original, so a view never ends up wrapped twice.
     """
     views = app.view_functions
+    wrapped = {}
     for endpoint, view in list(views.items()):
         if not getattr(view, _PROTECTED_ATTR, False) and marked(view):
             views[endpoint] = _protect(app, view)
-            misuse.warn_unprotectable(
-                app,
-                app.extensions["idempotency"],
-                endpoint,
-                functools.partial(route_options, view),
-            )
+            wrapped[endpoint] = view
+    # Before the first request is answered; what init_app has said is not said again.
+    misuse.report(app, app.extensions["idempotency"], wrapped)
 
 
 def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper that stands for ``view``: decide, run the view as the owner, settle."""
     state: AppState = app.extensions["idempotency"]
     # The view itself, not the guard that refuses to run it in an app without the layer.
-    run_view = app.ensure_sync(getattr(view, GUARDED_ATTR, view))  # a coroutine view as Flask
+    run_view = app.ensure_sync(unguarded(view))  # a coroutine view as Flask
     # A view function's own options are fixed; a class-based view's depend on the method.
     fixed: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
 
@@ -157,11 +156,19 @@ def _decide_request(
     Raises the layer's problems (400, 409, 422, 503).
     """
     method = req.method
-    options = state.effective_options(route)
+    try:
+        options = state.effective_options(route)
+    except ValueError as exc:  # reported at start-up (misuse.py); fail closed, this route only
+        if method not in misuse.keyed_methods(state.settings, route):
+            return None  # C1
+        raise RouteMisconfigured(
+            "This route's idempotency options clash with the app's settings, so it cannot"
+            f" be served safely: {exc}"
+        ) from None
     if method not in options.methods:
         return None  # C1: a key on another method is ignored
-    if options.atomic:
-        state.require_db()  # a configuration error must surface before anything is claimed
+    if options.atomic and not state.has_db:  # reported at start-up too (misuse.py)
+        raise RouteMisconfigured(misuse.ATOMIC_NEEDS_DB)  # before anything is claimed
     started = time.perf_counter()
     settings = state.settings
     try:

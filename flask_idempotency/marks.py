@@ -15,7 +15,8 @@ from .config import RouteOptions
 
 #: Attribute ``@idempotent`` sets on a view function.
 ROUTE_OPTIONS_ATTR = "__idempotency_options__"
-#: On the guard ``@idempotent`` returns: the view it guards, which the layer calls itself.
+#: On the guard ``@idempotent`` returns: ``(the guard, the view it guards)``; the layer
+#: calls the view itself (:func:`unguarded`).
 GUARDED_ATTR = "__idempotency_guarded__"
 #: Handler methods a class-based view may carry ``@idempotent`` on.
 _HANDLER_NAMES = ("get", "post", "put", "patch", "delete", "head", "options", "trace")
@@ -35,3 +36,18 @@ def route_options(view: Callable[..., Any], method: str) -> RouteOptions | None:
 def marked(view: Callable[..., Any]) -> bool:
     """Whether ``view`` is protected for any method (see :func:`route_options`)."""
     return any(route_options(view, name) is not None for name in _HANDLER_NAMES)
+
+
+def unguarded(view: Callable[..., Any]) -> Callable[..., Any]:
+    """The view ``@idempotent``'s guard stands for when ``view`` is that guard, else ``view``.
+
+    A decorator stacked above ``@idempotent`` (``login_required``, APIFlask's
+    ``input``) copies the guard's attributes onto its own wrapper with
+    ``functools.wraps``. That wrapper is not the guard: it must run, or the
+    decorator's check or argument parsing would be skipped. Its inner guard then
+    runs too, at the cost of one look-up.
+    """
+    guarded = getattr(view, GUARDED_ATTR, None)
+    if isinstance(guarded, tuple) and guarded[0] is view:
+        return guarded[1]  # type: ignore[no-any-return]
+    return view

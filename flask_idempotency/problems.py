@@ -23,6 +23,7 @@ from werkzeug.exceptions import (
     BadRequest,
     Conflict,
     HTTPException,
+    InternalServerError,
     RequestEntityTooLarge,
     ServiceUnavailable,
     UnprocessableEntity,
@@ -34,7 +35,7 @@ PROBLEM_MIMETYPE = "application/problem+json"
 
 
 class IdempotencyProblem(HTTPException):
-    """Base of every error the idempotency layer answers with; handle it to see all five."""
+    """Base of every error the idempotency layer answers with; handle it to see them all."""
 
     code: int | None = None  # see the module docstring: a code here would hide 409/422/503
     problem_code: ClassVar[str] = "idempotency-error"
@@ -99,6 +100,16 @@ class StoreUnavailable(IdempotencyProblem, ServiceUnavailable):  # type: ignore[
     code = 503
     problem_code = "store-unavailable"
     title = "Idempotency store unavailable"
+
+
+class RouteMisconfigured(IdempotencyProblem, InternalServerError):
+    """A marked route whose options clash with the app's settings (``lease`` not shorter
+    than ``ttl``…): reported at start-up (C63), and answered with this instead of
+    running the view unprotected or failing every route of the app."""
+
+    code = 500
+    problem_code = "route-misconfigured"
+    title = "The route's idempotency options are misconfigured"
 
 
 def _type_base() -> str:

@@ -300,7 +300,8 @@ def _client_from_url(url: str, *, socket_timeout: float, connect_timeout: float)
         from redis.retry import Retry
     except ImportError:
         raise RuntimeError(
-            "IDEMPOTENCY_REDIS_URL needs the redis package: pip install 'Flask-Idempotency[redis]'"
+            "IDEMPOTENCY_REDIS_URL needs the redis package: pip install redis"
+            " (Flask-Idempotency's extra 'redis')"
         ) from None
 
     return redis.Redis.from_url(

@@ -94,17 +94,18 @@ class AppState:
             self.clock.observe(outcome.expires_at_ms - int(ttl * 1000), sent_at)
         return outcome, "database"
 
-    def warn_once(self, what: Any, message: str, *args: Any) -> None:
-        """Log a WARNING the first time ``what`` happens in this app, never again: a
-        misuse found at the first request, an endpoint whose answers are too large to
-        store (C56). A set look-up when it has been said already."""
+    def warn_once(self, what: Any, message: str, *args: Any, level: int = logging.WARNING) -> None:
+        """Log a WARNING (or ``level``) the first time ``what`` happens in this app, never
+        again: a misuse found at start-up or at the first request, an endpoint whose
+        answers are too large to store (C56, C63). A set look-up when it has been said
+        already."""
         if what in self._warned:
             return
         with self._default_scope_lock:
             if what in self._warned:
                 return
             self._warned.add(what)
-        log.warning(message, *args)
+        log.log(level, message, *args)
 
     def stored_without_body(self, endpoint: str | None) -> None:
         """Say once per endpoint that its answers are too large to keep whole (C33, C56)."""

@@ -41,8 +41,10 @@ def test_i12_2_c43_bad_options_fail_when_the_route_is_marked(options: dict[str, 
         idempotent(**options)
 
 
-def test_i12_2_c43_isolation_without_atomic_fails_at_start_up() -> None:
-    """Not atomic by the route nor by IDEMPOTENCY_ATOMIC: a clear error at init_app."""
+def test_i12_2_c43_c63_isolation_without_atomic_is_reported_at_start_up(caplog) -> None:
+    """Not atomic by the route nor by IDEMPOTENCY_ATOMIC: a clear error at init_app, in
+    the log (C63: one route's options no longer stop the whole app), and the route
+    answers a problem naming the fix."""
     app = Flask(__name__)
     app.config["IDEMPOTENCY_DATABASE_URI"] = "sqlite://"
 
@@ -51,8 +53,11 @@ def test_i12_2_c43_isolation_without_atomic_fails_at_start_up() -> None:
     def x() -> str:
         return "ok"
 
-    with pytest.raises(ValueError, match="atomic=True"):
-        Idempotency(app)
+    Idempotency(app)
+    [error] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "'x'" in error and "atomic=True" in error
+    response = app.test_client().post("/x", headers={"Idempotency-Key": "k"})
+    assert response.status_code == 500 and "atomic=True" in response.get_json()["detail"]
 
 
 def test_i12_2_c43_route_options_reach_the_request() -> None:

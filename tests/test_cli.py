@@ -31,7 +31,9 @@ from .support.gunicorn import free_port
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FLASK = Path(sys.executable).with_name("flask")
 ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
-DELETED = re.compile(r"Deleted (\d+) expired records in (\d+) batches\.")
+DELETED = re.compile(
+    r"Deleted (\d+) expired records?(?: in (\d+) batch(?:es)?|: there were none)\."
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -191,6 +193,22 @@ def test_c28_prune_on_sqlite_uses_the_plain_batched_delete(make_app: Any) -> Non
     assert match is not None and match.groups() == ("7", "4"), result.output
     assert records["expired_live_lease"] in digests(app)
     assert records["expired_completed"] not in digests(app)
+
+
+def test_c28_prune_says_how_many_in_plain_words(make_app: Any) -> None:
+    """Issue 35: it said "Deleted 0 expired records in 1 batches." """
+    app, _ = make_app()
+    runner = app.test_cli_runner()
+    add_record(app, state="completed", expires_in_ms=60_000)  # live: not due
+    nothing = runner.invoke(args=["idempotency", "prune"])
+    assert nothing.output.strip() == "Deleted 0 expired records: there were none."
+    add_record(app, state="completed", expires_in_ms=-60_000)
+    one = runner.invoke(args=["idempotency", "prune"])
+    assert one.output.strip() == "Deleted 1 expired record in 1 batch."
+    for _ in range(3):
+        add_record(app, state="completed", expires_in_ms=-60_000)
+    three = runner.invoke(args=["idempotency", "prune", "--batch-size", "2"])
+    assert three.output.strip() == "Deleted 3 expired records in 2 batches."
 
 
 def test_c28_prune_dry_run_counts_and_deletes_nothing(pg_app: Flask) -> None:
@@ -687,6 +705,18 @@ def test_c28_check_fails_on_a_wrong_type_and_a_missing_unique_key(pg_app: Flask)
     assert result.exit_code == 1, result.output
     assert "column lock_token is VARCHAR(8), expected VARCHAR(32)" in result.output
     assert "no unique constraint or unique index on key_digest" in result.output
+
+
+def test_c28_check_names_types_as_postgresql_does(pg_app: Flask) -> None:
+    """Issue 35: it called the body's BYTEA a BLOB (SQLAlchemy's generic name)."""
+    _alter(pg_app, "ALTER TABLE {table} ALTER COLUMN response_body TYPE text")
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "check"])
+    assert result.exit_code == 1, result.output
+    assert "column response_body is TEXT, expected BYTEA" in result.output
+    _alter(pg_app, "ALTER TABLE {table} DROP COLUMN response_body")
+    result = pg_app.test_cli_runner().invoke(args=["idempotency", "check"])
+    assert "missing column response_body (BYTEA)" in result.output
+    assert "BLOB" not in result.output
 
 
 def test_c28_check_only_warns_about_the_prune_index(pg_app: Flask) -> None:

@@ -50,11 +50,11 @@ def test_c51_sqlalchemy_picks_the_driver_the_docs_say() -> None:
 @pytest.mark.parametrize(
     ("uri", "hidden", "names"),
     [
-        ("postgresql://u@h/d", ("psycopg", "psycopg2"), [PLAIN_PG_DRIVER, "[postgresql]"]),
-        ("postgresql+psycopg://u@h/d", ("psycopg",), ["psycopg 3", "[postgresql]"]),
-        ("postgresql+psycopg2://u@h/d", ("psycopg2",), ["psycopg2", "[postgresql]"]),
-        ("mysql://u@h/d", ("MySQLdb",), ["mysqlclient", "[mysqlclient]", "mysql+pymysql://"]),
-        ("mysql+pymysql://u@h/d", ("pymysql",), ["PyMySQL", "[mysql]", "mysql+mysqldb://"]),
+        ("postgresql://u@h/d", ("psycopg", "psycopg2"), [PLAIN_PG_DRIVER, "extra 'postgresql'"]),
+        ("postgresql+psycopg://u@h/d", ("psycopg",), ["pip install 'psycopg[binary]'"]),
+        ("postgresql+psycopg2://u@h/d", ("psycopg2",), ["pip install 'psycopg2-binary'"]),
+        ("mysql://u@h/d", ("MySQLdb",), ["mysqlclient", "extra 'mysqlclient'", "mysql+pymysql://"]),
+        ("mysql+pymysql://u@h/d", ("pymysql",), ["pip install 'PyMySQL'", "mysql+mysqldb://"]),
     ],
 )
 def test_c51_a_missing_driver_fails_at_init_app(

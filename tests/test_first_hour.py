@@ -101,6 +101,10 @@ def test_i14_4_init_app_names_the_engine_and_db_dialects(
     assert "postgresql" in by_engine and "pw@" not in by_engine
     assert "Redis client" in by_engine and "pub/sub" in by_engine
     assert "sqlite" in by_db and "Flask-SQLAlchemy" in by_db and "cache: none" in by_db
+    # Issue 35: "(Flask-SQLAlchemy db=)" read as a setting with its value missing.
+    assert "(Flask-SQLAlchemy db=)" not in by_db
+    assert "(Flask-SQLAlchemy's database, given as db=)" in by_db
+    assert "(the engine given as engine=)" in by_engine
     engine.dispose()
 
 

@@ -2,8 +2,10 @@
 
 Real servers started on loopback by the suite (tests/support/redis_cluster.py):
 a 3-master cluster and a Sentinel group (master, replica, three sentinels), kept
-for the session. Rules: C10 (wake-ups), C22/C23 (replays from the cache, promotion
-at completion), C24 (losing a node or a failover changes no outcome), C25.
+for the session. Rules: C48 (every topology: single node, Cluster with hash-tagged
+keys and sharded pub/sub, Sentinel; each changes latency only, never an outcome),
+C10 (wake-ups), C22/C23 (replays from the cache, promotion at completion), C24
+(losing a node or a failover changes no outcome), C25.
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ def test_i15_c22_c23_replays_come_from_the_cache_on_every_topology(
     make_svc: Any, topology_url: str
 ) -> None:
     """Completion promotes every record (no cross-slot pipeline on a cluster), so replays
-    come from the cache: at least 95% of them (C22, C23; issue 15 item 5)."""
+    come from the cache: at least 95% of them (C22, C23, C48; issue 15 item 5)."""
     svc = make_svc(topology_url)
     keys = [f"k{n}-{uuid.uuid4().hex[:6]}" for n in range(40)]
     for key in keys:
@@ -595,7 +597,7 @@ def test_i15_c10_wakeups_cross_processes_by_message_on_every_topology(
 ) -> None:
     """A duplicate parked in another process is woken by the owner's message, never by
     polling (polls are 10 minutes apart here): on a cluster, for records on every shard
-    (sharded pub/sub, one channel per master; C10)."""
+    (sharded pub/sub, one channel per master; C10, C48)."""
     owner = make_svc(topology_url)
     waiter = make_svc(topology_url, IDEMPOTENCY_REDIS_PREFIX="idem")  # same store, own app
     _listening(waiter)
@@ -639,7 +641,7 @@ def test_i15_c24_a_cluster_master_killed_mid_load_changes_no_outcome(
     make_svc: Any, tmp_path: Any
 ) -> None:
     """A master of the cluster SIGKILLed under load: no 5xx, one execution per key; the
-    other shards keep caching (C24)."""
+    other shards keep caching (C24, C48)."""
     group = _started(RedisCluster3(redis_server_binary(), tmp_path / "doomed"))
     try:
         svc = make_svc(group.url)

@@ -9,17 +9,24 @@ the extra that installs it and the URL forms that name a driver explicitly.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-#: SQLAlchemy's driver name -> (what it is called, the Flask-Idempotency extra installing it).
+#: SQLAlchemy's driver name -> (what it is called, the package to install, the
+#: Flask-Idempotency extra that installs it).
 _DRIVERS = {
-    ("postgresql", "psycopg2"): ("psycopg2", "postgresql"),
-    ("postgresql", "psycopg"): ("psycopg 3 (the 'psycopg' package)", "postgresql"),
-    ("mysql", "mysqldb"): ("mysqlclient (MySQLdb)", "mysqlclient"),
-    ("mysql", "pymysql"): ("PyMySQL", "mysql"),
-    ("mariadb", "mysqldb"): ("mysqlclient (MySQLdb)", "mysqlclient"),
-    ("mariadb", "pymysql"): ("PyMySQL", "mysql"),
+    ("postgresql", "psycopg2"): ("psycopg2", "psycopg2-binary", "postgresql"),
+    ("postgresql", "psycopg"): (
+        "psycopg 3 (the 'psycopg' package)",
+        "psycopg[binary]",
+        "postgresql",
+    ),
+    ("mysql", "mysqldb"): ("mysqlclient (MySQLdb)", "mysqlclient", "mysqlclient"),
+    ("mysql", "pymysql"): ("PyMySQL", "PyMySQL", "mysql"),
+    ("mariadb", "mysqldb"): ("mysqlclient (MySQLdb)", "mysqlclient", "mysqlclient"),
+    ("mariadb", "pymysql"): ("PyMySQL", "PyMySQL", "mysql"),
 }
 
 #: The URL forms that name each backend's supported drivers, and the extra of each.
@@ -34,9 +41,13 @@ class MissingDriver(RuntimeError):
     """The database driver ``IDEMPOTENCY_DATABASE_URI`` needs is not installed."""
 
 
-def check_driver(uri: str) -> None:
+def check_driver(uri: Any, setting: str = "IDEMPOTENCY_DATABASE_URI") -> None:
     """Raise :class:`MissingDriver` when the driver SQLAlchemy picks for ``uri`` cannot be
-    imported. Imports the driver (as the first request would), opens no connection."""
+    imported. Imports the driver (as the first request would), opens no connection.
+    ``setting``: where the URL came from, for the message (``SQLALCHEMY_DATABASE_URI``
+    on the Flask-SQLAlchemy path)."""
+    if uri is None:
+        return
     try:
         url = make_url(uri)
         dialect = url.get_dialect()
@@ -46,12 +57,12 @@ def check_driver(uri: str) -> None:
         dialect.import_dbapi()
     except ImportError as exc:
         backend = url.get_backend_name()
-        name, extra = _DRIVERS.get(
-            (backend, dialect.driver), (dialect.driver, backend if backend in _EXPLICIT else None)
-        )
+        name, package, extra = _DRIVERS.get((backend, dialect.driver), (dialect.driver, None, None))
+        # The package by its own name: Flask-Idempotency is on no index yet, so
+        # installing the package's extra by name would not work; the extra is named too.
         install = (
-            f"pip install 'Flask-Idempotency[{extra}]'"
-            if extra
+            f"pip install '{package}' (Flask-Idempotency's extra '{extra}')"
+            if package
             else f"install the {dialect.driver} package"
         )
         how = url.drivername
@@ -59,7 +70,7 @@ def check_driver(uri: str) -> None:
         picked = "names" if named else f"leaves to SQLAlchemy, which picks {dialect.driver} for it"
         explicit = _EXPLICIT.get(backend)
         raise MissingDriver(
-            f"IDEMPOTENCY_DATABASE_URI ({how}://…) {picked}; the driver {name} is not installed"
+            f"{setting} ({how}://…) {picked}; the driver {name} is not installed"
             f" ({exc}). Install it: {install}"
             + (f"; or name an installed driver in the URL: {explicit}." if explicit else ".")
         ) from exc

@@ -416,7 +416,7 @@ def _column_differences(conn: Connection, table: Table, warnings: list[str]) -> 
     for diff in _flatten(compare_metadata(context, expected)):
         kind = diff[0]
         if kind == "add_column":
-            errors.append(f"missing column {diff[3].name} ({diff[3].type})")
+            errors.append(f"missing column {diff[3].name} ({_type_name(diff[3].type, conn)})")
         elif kind == "remove_column":
             column = diff[3]
             message = f"unexpected column {column.name}"
@@ -425,7 +425,8 @@ def _column_differences(conn: Connection, table: Table, warnings: list[str]) -> 
             else:
                 warnings.append(message + " (not used by this version)")
         elif kind == "modify_type":
-            errors.append(f"column {diff[3]} is {diff[5]}, expected {diff[6]}")
+            live, wanted = _type_name(diff[5], conn), _type_name(diff[6], conn)
+            errors.append(f"column {diff[3]} is {live}, expected {wanted}")
         elif kind == "modify_nullable":
             live, wanted = diff[5], diff[6]
             errors.append(
@@ -435,6 +436,15 @@ def _column_differences(conn: Connection, table: Table, warnings: list[str]) -> 
         # Constraints and indexes are checked by meaning below, not by name:
         # an application's naming convention may rename them legitimately.
     return errors
+
+
+def _type_name(type_: Any, conn: Connection) -> str:
+    """A column type as this database spells it (``BYTEA`` on PostgreSQL, ``LONGBLOB`` on
+    MySQL), not SQLAlchemy's generic name (``BLOB`` for every ``LargeBinary``)."""
+    try:
+        return str(type_.compile(dialect=conn.dialect))
+    except Exception:  # a type this dialect cannot render: its generic name
+        return str(type_)
 
 
 def _flatten(diffs: list[Any]) -> Iterator[tuple[Any, ...]]:
@@ -454,7 +464,7 @@ def _column_names_and_nullability(
     for column in table.columns:
         found = live.get(column.name)
         if found is None:
-            errors.append(f"missing column {column.name} ({column.type})")
+            errors.append(f"missing column {column.name} ({_type_name(column.type, conn)})")
         elif bool(found["nullable"]) != bool(column.nullable) and not column.primary_key:
             errors.append(f"column {column.name} nullability differs from the expected")
     for name in sorted(set(live) - set(table.columns.keys())):

@@ -84,5 +84,6 @@ def _require(backend: str, setting: str) -> None:
         __import__(module)
     except ImportError:
         raise ImportError(
-            f"{setting} needs the {package} package: pip install 'Flask-Idempotency[{extra}]'."
+            f"{setting} needs the {package} package: pip install '{package}'"
+            f" (Flask-Idempotency's extra '{extra}')."
         ) from None
