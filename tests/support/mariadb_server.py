@@ -92,6 +92,8 @@ class MariaDBServer:
             Path(directory), self.user, "idem-mariadb-"
         )
         self.data = self.directory / "data"
+        #: The server's own temporary directory (never the shared /tmp).
+        self.tmpdir = self.directory / "tmp"
         self.log_path = self.directory / "error.log"
         socket = self.directory / "mariadb.sock"
         self._socket_dir: Path | None = None
@@ -126,6 +128,9 @@ class MariaDBServer:
         return [] if self.user is None else [f"--user={self.user.pw_name}"]
 
     def _install(self) -> None:
+        self.tmpdir.mkdir(exist_ok=True)
+        if self.user is not None:
+            os.chown(self.tmpdir, self.user.pw_uid, self.user.pw_gid)
         if (self.data / "mysql").is_dir():
             return
         result = subprocess.run(
@@ -138,6 +143,10 @@ class MariaDBServer:
                 "--skip-name-resolve",
                 *self._user_options(),
                 "--innodb-log-file-size=16M",
+                # Its own temporary directory: the bootstrap's temporary tables in the
+                # shared /tmp were removed under a parallel run ("Could not remove
+                # temporary table '/tmp/#sql-temptable-...'", then 1051 and abort).
+                f"--tmpdir={self.tmpdir}",
             ],
             env=self._environment(),
             cwd=self.directory,
@@ -163,6 +172,7 @@ class MariaDBServer:
                 f"--socket={self.socket}",
                 f"--pid-file={self.directory / 'mariadbd.pid'}",
                 f"--log-error={self.log_path}",
+                f"--tmpdir={self.tmpdir}",
                 *self._user_options(),
                 *SERVER_OPTIONS,
                 *self.options,
