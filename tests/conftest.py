@@ -409,7 +409,6 @@ def pytest_configure(config: Any) -> None:
         config.pluginmanager.register(parallel.DurationRecorder(), "record-durations")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist names the groups in the test ids
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     for item in items:
         fixtures = getattr(item, "fixturenames", ())

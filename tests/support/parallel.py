@@ -8,8 +8,8 @@ their own. Two things need the scheduler's help, and this module gives it:
 - **A server started once for many tests** (a module- or session-scoped fixture: a
   Redis Cluster, a Sentinel group, PgBouncer, a private PostgreSQL or MariaDB) would
   be started again on every worker that runs one of its tests. The tests that share
-  one get one ``xdist_group``, so ``--dist loadgroup`` runs them on one worker, one
-  after another, and the server starts once per run.
+  one form a group, which :class:`GroupScheduling` hands to one worker as one unit:
+  they run one after another and the server starts once per run.
 - **Two cores.** A test marked ``heavy`` keeps the CPU busy for many seconds (a load
   storm against gunicorn workers, a SIGKILL campaign, a pip install). Four at once
   would starve each other and everything else, and their deadlines are generous but
@@ -19,16 +19,29 @@ their own. Two things need the scheduler's help, and this module gives it:
   so the units (a group, or a single test) are put heaviest first, by the durations the
   last full run recorded (``tests/durations.json``, written by ``--record-durations``):
   longest-processing-time-first. A test the file does not know yet counts as light.
+
+The groups are found where the tests are collected, in the workers, and reach the
+scheduler in the controller through a file the controller names before it starts them
+(``GROUPS_ENV``). xdist's own ``--dist loadgroup`` does the same by appending the group
+to each test id, which pytest 9.2 no longer lets a plugin change: the tests were then
+spread as if ungrouped (pytest-xdist issue 1386), every worker starting its own Redis
+Cluster and heavy tests running four at once.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist not installed: the suite runs in one process
+    LoadScopeScheduling = object
 
 #: Where each test's last measured seconds (setup + call + teardown) are kept.
 DURATIONS_FILE = Path(__file__).resolve().parent.parent / "durations.json"
@@ -56,8 +69,11 @@ SHARED_SERVER_FIXTURES = frozenset(
 #: How many heavy tests may run at once: one per core.
 HEAVY_LANES = 2
 
-_GROUP_SUFFIX = re.compile(r"@[^/]*$")
+#: Names the file in which workers leave each grouped test's group for the controller.
+GROUPS_ENV = "IDEMPOTENCY_TEST_GROUPS_FILE"
+
 _SERVERS = pytest.StashKey[list[str]]()
+_GROUP = pytest.StashKey[str]()
 
 
 def _shared_servers(item: pytest.Item) -> list[str]:
@@ -78,7 +94,7 @@ def _shared_servers(item: pytest.Item) -> list[str]:
 
 
 def group_shared_servers(items: list[pytest.Item]) -> None:
-    """Give the tests that share a server one ``xdist_group``, and put heavy tests in lanes.
+    """Give the tests that share a server one group, and put heavy tests in lanes.
 
     Servers used together by one test join one group (union-find), so each server is
     started on exactly one worker. A group with a heavy test, or a heavy test of its
@@ -116,23 +132,75 @@ def group_shared_servers(items: list[pytest.Item]) -> None:
         if unit in lane_of:
             group = f"heavy-lane-{lane_of[unit] + 1}"
         elif unit != members[0].nodeid or len(members) > 1:
-            group = re.sub(r"[^A-Za-z0-9_.:-]", "_", unit)
+            group = unit
         else:
             continue
         for item in members:
-            item.add_marker(pytest.mark.xdist_group(group))
+            item.stash[_GROUP] = group
 
 
 def _group_of(item: pytest.Item) -> str | None:
-    mark = item.get_closest_marker("xdist_group")
-    if mark is None:
-        return None
-    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    return item.stash.get(_GROUP, None)
+
+
+# -- the hooks (this module is registered as a plugin by tests/conftest.py) -----------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the controller of a parallel run: name the file the workers write the groups
+    to (they inherit the environment when they are started, after this)."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    handle, path = tempfile.mkstemp(prefix="idem-test-groups-", suffix=".json")
+    os.close(handle)
+    os.environ[GROUPS_ENV] = path
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        path = os.environ.pop(GROUPS_ENV, None)
+        if path:
+            Path(path).unlink(missing_ok=True)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest has ordered the tests by their fixtures
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     heaviest_first(items)
+    path = os.environ.get(GROUPS_ENV)
+    if path and hasattr(config, "workerinput"):
+        groups = {item.nodeid: group for item in items if (group := _group_of(item))}
+        # Every worker writes the same; each replaces the file whole, never half-written.
+        temporary = f"{path}.{os.getpid()}"
+        Path(temporary).write_text(json.dumps(groups))
+        os.replace(temporary, path)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") in ("load", "loadgroup"):
+        return GroupScheduling(config, log)
+    return None
+
+
+class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc,valid-type]
+    """xdist's scope scheduling, the scopes being this module's groups: a group's tests
+    go to one worker, in collection order; every other test is a unit of its own. Units
+    are handed out in collection order (heaviest first), never re-sorted by size."""
+
+    def __init__(self, config: pytest.Config, log: Any = None) -> None:
+        super().__init__(config, log)
+        config.option.loadscopereorder = False
+        self._groups: dict[str, str] | None = None
+
+    def _split_scope(self, nodeid: str) -> str:
+        if self._groups is None:  # the workers wrote it before they reported their collection
+            path = os.environ.get(GROUPS_ENV)
+            try:
+                self._groups = json.loads(Path(path).read_text()) if path else {}
+            except (OSError, ValueError):
+                self._groups = {}
+        group = self._groups.get(nodeid)
+        return f"group:{group}" if group else nodeid
 
 
 def heaviest_first(items: list[pytest.Item]) -> None:
@@ -145,7 +213,7 @@ def heaviest_first(items: list[pytest.Item]) -> None:
     for item in items:
         units.setdefault(_group_of(item) or item.nodeid, []).append(item)
     weight = {
-        unit: sum(known.get(_GROUP_SUFFIX.sub("", item.nodeid), 0.0) for item in members)
+        unit: sum(known.get(item.nodeid, 0.0) for item in members)
         for unit, members in units.items()
     }
     order = sorted(units, key=lambda unit: -weight[unit])  # stable: ties keep their order
@@ -171,8 +239,7 @@ class DurationRecorder:
         self.seconds: dict[str, float] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        nodeid = _GROUP_SUFFIX.sub("", report.nodeid)
-        self.seconds[nodeid] = self.seconds.get(nodeid, 0.0) + report.duration
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
 
     def pytest_sessionfinish(self, session: Any) -> None:
         if hasattr(session.config, "workerinput"):
