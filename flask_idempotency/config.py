@@ -87,10 +87,22 @@ class Settings:
     #: runs, so past this it answers 413 ``request-too-large`` without reading it. ``0``
     #: leaves only Flask's ``MAX_CONTENT_LENGTH``.
     max_request_bytes: int = 10_485_760
-    #: Response headers stored and replayed. ``Set-Cookie``, ``Date``, ``Retry-After``,
-    #: ``Content-Length``, ``WWW-Authenticate`` and hop-by-hop headers are refused.
+    #: Response headers stored and replayed. The caching ones are among them, so a
+    #: ``no-store`` answer is never replayed as cacheable (C62). ``Set-Cookie``, ``Date``,
+    #: ``Retry-After``, ``Content-Length``, ``WWW-Authenticate`` and hop-by-hop headers
+    #: are refused.
     replay_headers: frozenset[str] = frozenset(
-        {"content-type", "content-language", "location", "etag", "last-modified"}
+        {
+            "content-type",
+            "content-language",
+            "location",
+            "etag",
+            "last-modified",
+            "cache-control",
+            "vary",
+            "expires",
+            "content-disposition",
+        }
     )
     #: With the database down: ``False`` answers 503; ``True`` runs the view unprotected,
     #: marked with ``Idempotency-Unprotected`` (C25).
