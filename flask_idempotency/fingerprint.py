@@ -20,14 +20,11 @@ import operator
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from flask import Flask, Request, current_app
 from werkzeug.local import LocalProxy
 from werkzeug.wsgi import LimitedStream
-
-if TYPE_CHECKING:
-    from _hashlib import HASH
 
 #: Bumped whenever the canonical form changes, so old records never match by accident.
 #: ``fp2`` (issue 26): a repeated query name, form field or upload keeps its values'
@@ -41,8 +38,8 @@ AUTHORIZATION_SCOPE_PREFIX = "auth-hmac:"
 #: What the scope key is derived from a secret for: the secret itself is never the key,
 #: so the scope digests are no HMAC that any other use of ``SECRET_KEY`` computes.
 _SCOPE_KEY_PURPOSE = b"flask-idempotency scope key v1"
-#: The scope key's HMAC states per secret (the few an app process has), made once.
-_SCOPE_KEYS: dict[str | bytes, tuple[HASH, HASH]] = {}
+#: The scope key's keyed HMAC per secret (the few an app process has), made once.
+_SCOPE_KEYS: dict[str | bytes, hmac.HMAC] = {}
 _SCOPE_KEYS_MAX = 16
 _CHUNK = 64 * 1024
 #: Raw bodies up to this size are hashed in memory; larger ones spill to disk.
@@ -155,19 +152,17 @@ def authorization_scope(authorization: str, app: Flask) -> str:
     or a short token gives its secret to a wordlist. Raises ``RuntimeError`` when
     neither secret is set: no request is scoped by a guessable digest.
 
-    The HMAC (RFC 2104) is computed from the key's inner and outer SHA-256 states,
-    made once per secret: a third of ``hmac.digest``'s cost, the same bytes.
+    The standard library's HMAC, keyed once per secret and copied per request: a
+    hand-written one from SHA-256 states saved about half a microsecond, under the
+    noise of a whole replay (issue 34 item 7).
     """
-    inner_state, outer_state = _scope_hmac(app)
-    inner = inner_state.copy()
-    inner.update(authorization.encode("latin-1"))
-    outer = outer_state.copy()
-    outer.update(inner.digest())
-    return AUTHORIZATION_SCOPE_PREFIX + outer.hexdigest()
+    mac = _scope_hmac(app).copy()
+    mac.update(authorization.encode("latin-1"))
+    return AUTHORIZATION_SCOPE_PREFIX + mac.hexdigest()
 
 
-def _scope_hmac(app: Flask) -> tuple[HASH, HASH]:
-    """The scope key's HMAC-SHA256 inner and outer states, from the app's secret."""
+def _scope_hmac(app: Flask) -> hmac.HMAC:
+    """The scope key's HMAC-SHA256, keyed and not yet fed, from the app's secret."""
     state = app.extensions.get("idempotency")
     if state is not None:
         secret = state.settings.scope_secret
@@ -182,18 +177,13 @@ def _scope_hmac(app: Flask) -> tuple[HASH, HASH]:
             " the header: set IDEMPOTENCY_SCOPE_SECRET or the app's SECRET_KEY, or"
             " register @idempotency.scope_loader returning the tenant or user id."
         )
-    states = _SCOPE_KEYS.get(secret)
-    if states is None:
+    keyed = _SCOPE_KEYS.get(secret)
+    if keyed is None:
         raw = secret.encode("utf-8") if isinstance(secret, str) else secret
-        # 32 bytes: shorter than SHA-256's 64-byte block, so padded, never hashed first.
-        key = hmac.digest(raw, _SCOPE_KEY_PURPOSE, "sha256").ljust(64, b"\0")
-        states = (
-            hashlib.sha256(bytes(byte ^ 0x36 for byte in key)),
-            hashlib.sha256(bytes(byte ^ 0x5C for byte in key)),
-        )
+        keyed = hmac.new(hmac.digest(raw, _SCOPE_KEY_PURPOSE, "sha256"), digestmod="sha256")
         if len(_SCOPE_KEYS) < _SCOPE_KEYS_MAX:
-            _SCOPE_KEYS[secret] = states
-    return states
+            _SCOPE_KEYS[secret] = keyed
+    return keyed
 
 
 def with_host(scope: str, host: str) -> str:
