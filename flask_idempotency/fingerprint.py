@@ -18,13 +18,13 @@ import hmac
 import json
 import operator
 import sys
-import tempfile
 from collections.abc import Callable
-from typing import IO, Any
+from typing import Any
 
 from flask import Flask, Request, current_app
 from werkzeug.local import LocalProxy
-from werkzeug.wsgi import LimitedStream
+
+from . import request_body
 
 #: Bumped whenever the canonical form changes, so old records never match by accident.
 #: ``fp2`` (issue 26): a repeated query name, form field or upload keeps its values'
@@ -42,8 +42,11 @@ _SCOPE_KEY_PURPOSE = b"flask-idempotency scope key v1"
 _SCOPE_KEYS: dict[str | bytes, hmac.HMAC] = {}
 _SCOPE_KEYS_MAX = 16
 _CHUNK = 64 * 1024
-#: Raw bodies up to this size are hashed in memory; larger ones spill to disk.
-_SPOOL_IN_MEMORY = 1024 * 1024
+#: JSON bodies up to this many bytes (as sent) are fingerprinted as canonical JSON;
+#: longer ones byte for byte, like any other body (C6, C31). Canonicalising parses the
+#: body into Python objects, which for the worst shapes (``[0,0,…]``, ``[[],[],…]``)
+#: take up to about 40 times the body's size: at this size, under 1 MiB.
+CANONICAL_JSON_MAX_BYTES = 16 * 1024
 # One encoder each, built once: ``json.dumps`` with options builds a new encoder on every
 # call, a measurable share of a replay. The output is byte for byte what ``dumps`` gives.
 _VIEW_ARGS_JSON = json.JSONEncoder(sort_keys=True, default=str)
@@ -299,45 +302,27 @@ def _media_type(request: Request) -> tuple[str, bytes]:
     return known
 
 
-def _read_body(request: Request) -> bytes:
-    """``request.get_data(cache=True)``, without its 64 KiB scratch buffer for a small body.
-
-    The body comes through Werkzeug's guarded stream all the same (``MAX_CONTENT_LENGTH``
-    and ``Content-Length`` apply, C31) and is cached where ``get_data`` caches it, so
-    the view's ``get_json()`` reuses this one copy. Werkzeug's ``readall`` reads into
-    a fresh 64 KiB buffer even for a 60-byte body; read up to ``Content-Length`` here.
-    """
-    cached: bytes | None = getattr(request, "_cached_data", None)
-    if cached is not None:
-        return cached
-    stream = request.stream
-    if not isinstance(stream, LimitedStream) or "wsgi.input_terminated" in request.environ:
-        return request.get_data(cache=True)  # no Content-Length to read up to
-    # Content-Length (never above the app's limit: Werkzeug answered 413 for that);
-    # a body that ends early raises ClientDisconnected, as in get_data.
-    remaining = stream.limit - stream.tell()
-    chunks = []
-    while remaining > 0:
-        chunk = stream.read(min(remaining, _CHUNK))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    request._cached_data = data  # where get_data caches it
-    return data
-
-
 def _hash_body(
     request: Request, mimetype: str, body: Any, omit_fields: frozenset[str] = frozenset()
 ) -> None:
     if mimetype == "application/json" or mimetype.endswith("+json"):
-        data = _read_body(request)
-        canonical = _canonical_json(data)
-        body.update(b"json:" if canonical is not None else b"raw:")
-        body.update(canonical if canonical is not None else data)
+        # Read once, through the cap (:mod:`.request_body`); the view reuses the bytes.
+        # A body longer than CANONICAL_JSON_MAX_BYTES is hashed as it streams in.
+        streamed: list[bool] = []
+
+        def raw_chunk(chunk: bytes) -> None:
+            if not streamed:
+                streamed.append(True)
+                body.update(b"raw:")
+            body.update(chunk)
+
+        data = request_body.read(request, raw_chunk, whole_up_to=CANONICAL_JSON_MAX_BYTES)
+        if data is not None:
+            canonical = _canonical_json(data)
+            body.update(b"json:" if canonical is not None else b"raw:")
+            body.update(canonical if canonical is not None else data)
     elif mimetype in _FORM_MIMETYPES:
-        # A form is parsed once, by Werkzeug, straight from the stream, exactly as the
+        # A form is parsed once, by Werkzeug, from the capped stream, exactly as the
         # view would have it parsed, and the view reuses that parse: its fields (and
         # uploads, spooled to Werkzeug's temporary files) are the one copy (C31). The
         # raw bytes are not kept on top of it: an app that verifies a signature over
@@ -347,7 +332,7 @@ def _hash_body(
         _hash_fields(request, body, omit_fields, with_files=mimetype == "multipart/form-data")
     else:
         body.update(b"raw:")
-        _spool_stream(request, body)
+        request_body.read(request, body.update, whole_up_to=-1)  # kept for the view
 
 
 def _canonical_json(data: bytes) -> bytes | None:
@@ -426,9 +411,10 @@ def _hash_fields(request: Request, body: Any, omit: frozenset[str], *, with_file
     built: an 80 MiB field used to cost two more 80 MiB copies (the JSON string and
     its UTF-8 bytes), see C31.
     """
-    fields = [["f", k, v] for k, v in request.form.items(multi=True) if k not in omit]
+    form, files = request_body.form(request)
+    fields = [["f", k, v] for k, v in form.items(multi=True) if k not in omit]
     if with_files:
-        for name, upload in request.files.items(multi=True):
+        for name, upload in files.items(multi=True):
             content = hashlib.sha256()
             stream = upload.stream
             for chunk in iter(functools.partial(stream.read, _CHUNK), b""):
@@ -459,44 +445,6 @@ def _hash_json_string(text: str, body: Any) -> None:
     for start in range(0, len(text), _CHUNK):
         body.update(_JSON_STRING(text[start : start + _CHUNK])[1:-1].encode("utf-8"))
     body.update(b'"')
-
-
-def _spool_stream(request: Request, body: Any | None) -> None:
-    """Read the body once, hashing it into ``body`` if given, and hand the view a spooled copy.
-
-    The body is read through Werkzeug's guarded stream (so the app's
-    ``MAX_CONTENT_LENGTH`` applies, C31), chunk by chunk, and kept in one place
-    only: memory for small bodies, a temporary file for large ones.
-    """
-    cached = getattr(request, "_cached_data", None)
-    if cached is not None:
-        if body is not None:
-            body.update(cached)
-        return
-    stream = request.stream
-    # Not a context manager: the spool outlives this call, closed with the request.
-    spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY)  # noqa: SIM115
-    try:
-        for chunk in iter(lambda: stream.read(_CHUNK), b""):
-            if body is not None:
-                body.update(chunk)
-            spool.write(chunk)
-    except BaseException:
-        spool.close()
-        raise
-    spool.seek(0)
-    request.__dict__["stream"] = spool
-    request.close = _closing(request.close, spool)  # type: ignore[method-assign]
-
-
-def _closing(close: Any, spool: IO[bytes]) -> Any:
-    def close_both() -> None:
-        try:
-            close()
-        finally:
-            spool.close()
-
-    return close_both
 
 
 def _digest(*parts: bytes) -> str:
