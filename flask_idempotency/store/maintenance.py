@@ -34,7 +34,7 @@ from ..records import COMPLETED, IN_PROGRESS
 from .clock import db_now_ms
 from .dialects import named
 from .errors import describe
-from .identity import StoreIdentity, read_identity
+from .identity import StoreIdentity, add_secret_column, read_identity
 from .sql import DurableStore
 
 T = TypeVar("T")
@@ -323,8 +323,14 @@ class Maintenance:
         def create(conn: Connection) -> None:
             self.table.create(conn, checkfirst=True)
             self.identity_table.create(conn, checkfirst=True)  # writes the id (identity.py)
+            add_secret_column(conn, self.identity_table)  # a table from before issue 34
 
         self._run(create)
+
+    def add_secret_column(self) -> bool:
+        """Add the identity's ``secret`` column to a table made before issue 34 (C60);
+        ``True`` if it was missing."""
+        return self._run(lambda conn: add_secret_column(conn, self.identity_table))
 
     def create_ddl(self) -> str:
         """The ``CREATE TABLE`` and ``CREATE INDEX`` statements for this database.
