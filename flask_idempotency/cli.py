@@ -30,6 +30,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from .cli_render import describe_record, iso, moment, printable
 from .fingerprint import ANONYMOUS_SCOPE, authorization_scope, key_digest, with_host
 from .keys import InvalidKey, parse_key
+from .store import StoreError
 from .store.identity import missing_help
 from .store.maintenance import (
     IdentityReport,
@@ -252,8 +253,8 @@ def _record_options(command: F) -> F:
         click.option(
             "--host",
             default=None,
-            help="Without a scope_loader, on a route with a subdomain or a host: the"
-            " request's host (the default scope carries it).",
+            help="Without a scope_loader, on a route with a subdomain or a host (or with"
+            " IDEMPOTENCY_SCOPE_HOST): the request's host (the default scope carries it).",
         ),
         click.option(
             "--digest",
@@ -314,8 +315,8 @@ def _resolve_digest(
             authorization = _read_authorization()
         try:
             full_scope = authorization_scope(authorization, current_app)
-        except RuntimeError as exc:
-            raise click.ClickException(str(exc)) from None
+        except (RuntimeError, StoreError) as exc:  # (the store's own secret, unreadable)
+            raise click.ClickException(printable(str(exc), keep_lines=True)) from None
     else:
         full_scope = ANONYMOUS_SCOPE
     if host is not None:
@@ -481,9 +482,12 @@ def _check_identity(report: IdentityReport) -> None:
             " first process that uses Redis."
         )
         return
+    secret = (
+        "" if report.identity.secret else "; its secret is written by the next process to read it"
+    )
     click.echo(
         f"OK: the table {table!r} holds the store's identity {printable(report.identity.id)}"
-        f" (written {iso(report.identity.created_at_ms)})."
+        f" (written {iso(report.identity.created_at_ms)}){secret}."
     )
 
 
@@ -514,6 +518,12 @@ def create_table_command(sql_only: bool) -> None:
         if not exists
     ]
     if not missing:
+        if maintenance.add_secret_column():
+            click.echo(
+                f"Added the column 'secret' to {maintenance.identity_table.name!r}"
+                " (the store's secret, C60)."
+            )
+            return
         click.echo(f"The table {maintenance.table.name!r} already exists; nothing to do.")
         return
     maintenance.create_table()

@@ -140,10 +140,15 @@ class Settings:
     #: Seconds after its claim that an owner stops renewing, so a hung view lets go (C44).
     max_runtime: float = 900.0
     #: Key of the default scope's digest of the ``Authorization`` header: an HMAC, so the
-    #: stored scope gives nothing to a wordlist (C30). ``None``: the app's ``SECRET_KEY``.
-    #: Without either, a request scoped by its ``Authorization`` header is an error. Set it
-    #: to keep scopes when ``SECRET_KEY`` rotates; changing it changes those scopes.
+    #: stored scope gives nothing to a wordlist (C30). ``None``: the app's ``SECRET_KEY``;
+    #: without either, a secret the store keeps in its own database (C63). Set it to keep
+    #: scopes when ``SECRET_KEY`` rotates; changing it changes those scopes.
     scope_secret: str | bytes | None = dataclasses.field(default=None, repr=False)
+    #: The request's host in the default scope on every route, not only on routes with a
+    #: subdomain or host rule: for an app that picks its tenant from ``Host`` in a hook
+    #: (user 5 of ``acme.example.com`` is not user 5 of ``globex.example.com``). A client
+    #: that reaches the app under two host names then has two scopes.
+    scope_host: bool = False
 
     @functools.cached_property
     def header_environ_key(self) -> str:
@@ -244,6 +249,7 @@ class Settings:
                 self.redis_socket_timeout, "IDEMPOTENCY_REDIS_SOCKET_TIMEOUT"
             ),
             heartbeat=_flag(self.heartbeat, "IDEMPOTENCY_HEARTBEAT"),
+            scope_host=_flag(self.scope_host, "IDEMPOTENCY_SCOPE_HOST"),
             max_runtime=_seconds(self.max_runtime, "IDEMPOTENCY_MAX_RUNTIME"),
             problem_type_base=base if base.endswith(("/", "#", ":")) else base + "/",
         )

@@ -112,8 +112,8 @@ def key_digest(scope: str, key: str) -> str:
     ).hexdigest()
 
 
-def default_scope(request: Request, app: Flask | None = None) -> str:
-    """Scope when no ``scope_loader`` is registered (C46).
+def default_scope(request: Request, app: Flask | None = None, *, host: bool = False) -> str:
+    """Scope when no ``scope_loader`` is registered, or it returned nothing (C46).
 
     The Flask-Login user when one is logged in; else a keyed digest of
     ``Authorization`` (:func:`authorization_scope`), which changes when a client
@@ -124,7 +124,9 @@ def default_scope(request: Request, app: Flask | None = None) -> str:
 
     On a route with a subdomain or a host (tenants served by host), the default
     scope also carries the request's host (:func:`with_host`): user 5 of
-    ``acme.example.com`` and user 5 of ``globex.example.com`` are two owners.
+    ``acme.example.com`` and user 5 of ``globex.example.com`` are two owners. With
+    ``host`` (``IDEMPOTENCY_SCOPE_HOST``) it carries it on every route: for an app
+    that picks its tenant from ``Host`` in a hook, on plain routes.
 
     ``app``: the request's app, when the caller has it (saves a context look-up).
     """
@@ -141,7 +143,7 @@ def default_scope(request: Request, app: Flask | None = None) -> str:
         else:
             scope = authorization_scope(authorization, current_app if app is None else app)
     rule = request.url_rule
-    if rule is not None and (rule.subdomain or rule.host):
+    if host or (rule is not None and (rule.subdomain or rule.host)):
         return with_host(scope, request.host)
     return scope
 
@@ -150,10 +152,12 @@ def authorization_scope(authorization: str, app: Flask) -> str:
     """The default scope of a request with this ``Authorization`` header (C30, C46).
 
     An HMAC-SHA256 of the header under a key derived from ``IDEMPOTENCY_SCOPE_SECRET``,
-    else the app's ``SECRET_KEY``: the scope is stored, printed by ``flask idempotency
-    show`` and sent with every signal, and an unkeyed digest of a Basic-auth header
-    or a short token gives its secret to a wordlist. Raises ``RuntimeError`` when
-    neither secret is set: no request is scoped by a guessable digest.
+    else the app's ``SECRET_KEY``, else the secret the store keeps in its own database
+    (C63): the scope is stored, printed by ``flask idempotency show`` and sent with
+    every signal, and an unkeyed digest of a Basic-auth header or a short token gives
+    its secret to a wordlist. Raises the store's error when its secret is needed and
+    cannot be read, and ``RuntimeError`` in an app without the extension and without
+    either setting: no request is scoped by a guessable digest.
 
     The standard library's HMAC, keyed once per secret and copied per request: a
     hand-written one from SHA-256 states saved about half a microsecond, under the
@@ -168,18 +172,16 @@ def _scope_hmac(app: Flask) -> hmac.HMAC:
     """The scope key's HMAC-SHA256, keyed and not yet fed, from the app's secret."""
     state = app.extensions.get("idempotency")
     if state is not None:
-        secret = state.settings.scope_secret
+        secret = state.scope_secret(app)  # the settings', SECRET_KEY, or the store's (C63)
     else:  # a bare app (tests of the fingerprint alone): the same settings, unchecked
-        secret = app.config.get("IDEMPOTENCY_SCOPE_SECRET")
-    if secret is None:
-        secret = app.config.get("SECRET_KEY")
-    if not secret or not isinstance(secret, (str, bytes)):
-        raise RuntimeError(
-            "Flask-Idempotency: this request is scoped by its Authorization header (no"
-            " scope_loader, no logged-in Flask-Login user), and that scope is an HMAC of"
-            " the header: set IDEMPOTENCY_SCOPE_SECRET or the app's SECRET_KEY, or"
-            " register @idempotency.scope_loader returning the tenant or user id."
-        )
+        secret = app.config.get("IDEMPOTENCY_SCOPE_SECRET") or app.config.get("SECRET_KEY")
+        if not secret or not isinstance(secret, (str, bytes)):
+            raise RuntimeError(
+                "Flask-Idempotency: this request is scoped by its Authorization header, and"
+                " that scope is an HMAC of the header: set IDEMPOTENCY_SCOPE_SECRET or the"
+                " app's SECRET_KEY (with the extension registered, the store's own secret"
+                " serves when neither is set)."
+            )
     keyed = _SCOPE_KEYS.get(secret)
     if keyed is None:
         raw = secret.encode("utf-8") if isinstance(secret, str) else secret

@@ -226,7 +226,12 @@ def _decide_request(
         if options.required:
             raise MissingKey(f"This endpoint requires an {settings.header} header.")  # C4
         return None
-    scope = state.scope_for_request(req, app)
+    try:
+        scope = state.scope_for_request(req, app)
+    except StoreError as exc:  # the store's own scope secret is unreadable (C63)
+        _store_down(state, None, started, exc, action="scope")  # 503, unless failing open
+        after_this_request(_mark_unprotected)
+        return None
     try:
         fingerprint = request_fingerprint(req, forms.omitted_fields(settings, app.config))
     except RequestTooLarge:
@@ -312,8 +317,15 @@ def _wait_for_original(
     return outcome
 
 
-def _store_down(state: AppState, ident: Identity, started: float, exc: StoreError) -> None:
-    """Answer 503 for a store that cannot claim; return only when the app fails open (C25).
+def _store_down(
+    state: AppState,
+    ident: Identity | None,
+    started: float,
+    exc: StoreError,
+    action: str = "claim",
+) -> None:
+    """Answer 503 for a store that cannot claim (or, ``action="scope"``, give the secret
+    a request's default scope is keyed by); return only when the app fails open (C25).
 
     A missing or mismatched table is a deployment error: never fail open for it (C45).
     """
@@ -325,7 +337,7 @@ def _store_down(state: AppState, ident: Identity, started: float, exc: StoreErro
         state.outage_log.warning(
             "idempotency: durable store unavailable (%s), e.g. for key %s",
             exc,
-            ident.key_digest[:16],
+            ident.key_digest[:16] if ident is not None else "(not named: no scope)",
         )
     answer = "unprotected" if fail_open else "503"
     _send(
@@ -334,7 +346,7 @@ def _store_down(state: AppState, ident: Identity, started: float, exc: StoreErro
         started,
         tier="database",
         error=str(exc),
-        action="claim",
+        action=action,
         answer=answer,
     )
     if fail_open:
@@ -429,14 +441,15 @@ def mark_failed(sender: Any, exception: BaseException, **extra: Any) -> None:
 # -- signals -------------------------------------------------------------------------
 
 
-def _send(signal: Any, ident: Identity, started: float, **extra: Any) -> None:
-    """Every decision's signal carries the digest, scope, route and time spent (C30)."""
+def _send(signal: Any, ident: Identity | None, started: float, **extra: Any) -> None:
+    """Every decision's signal carries the digest, scope, route and time spent (C30);
+    ``None`` for the first two when the scope could not be made (the store is down)."""
     if signal.receivers:
         signals.send(
             signal,
             current_app._get_current_object(),  # type: ignore[attr-defined]
-            key_digest=ident.key_digest,
-            scope=ident.scope,
+            key_digest=None if ident is None else ident.key_digest,
+            scope=None if ident is None else ident.scope,
             route=request.endpoint,
             duration=time.perf_counter() - started,
             **extra,
