@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -150,6 +151,19 @@ class Settings:
     #: that reaches the app under two host names then has two scopes.
     scope_host: bool = False
 
+    def __repr__(self) -> str:
+        """Every field but the scope secret, URLs with their passwords masked (C61): an
+        error reporter captures the settings among a failing request's locals."""
+        shown = []
+        for field in dataclasses.fields(self):
+            if not field.repr:
+                continue
+            value = getattr(self, field.name)
+            if field.name in ("database_uri", "redis_url") and isinstance(value, str):
+                value = masked_url(value)
+            shown.append(f"{field.name}={value!r}")
+        return f"Settings({', '.join(shown)})"
+
     @functools.cached_property
     def header_environ_key(self) -> str:
         """Where a WSGI environ holds the key header: the name Werkzeug's ``EnvironHeaders``
@@ -253,6 +267,22 @@ class Settings:
             max_runtime=_seconds(self.max_runtime, "IDEMPOTENCY_MAX_RUNTIME"),
             problem_type_base=base if base.endswith(("/", "#", ":")) else base + "/",
         )
+
+
+_QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd|pwd|sentinel_password)=)[^&#]*", re.I)
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password shown as ``***``: ``postgresql://app:***@db/app``, and a
+    ``?password=`` in the query too (C61). For reprs and logs, never for connecting."""
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+        userinfo, at, hosts = rest[:end].rpartition("@")  # a password may hold a bare "@"
+        if at and ":" in userinfo:
+            user = userinfo.split(":", 1)[0]
+            url = f"{scheme}://{user}:***@{hosts}{rest[end:]}"
+    return _QUERY_PASSWORD.sub(r"\1***", url)
 
 
 def config_key(field_name: str) -> str:

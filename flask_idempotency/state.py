@@ -68,6 +68,11 @@ class AppState:
     #: What this app has warned of already (:meth:`warn_once`).
     _warned: set[Any] = dataclasses.field(default_factory=set)
 
+    def __repr__(self) -> str:
+        # What an error reporter shows among a failing request's locals: the settings
+        # with their URLs' passwords masked, no secret (C61).
+        return f"<AppState store={self.store!r} cache={self.cache!r} settings={self.settings!r}>"
+
     def look_up(
         self, ident: Identity, *, ttl: float, lease: float, guard_locks: bool
     ) -> tuple[Claim | Completed | Record, str]:

@@ -159,6 +159,10 @@ class StoreSchema(StoreEngines):
             raise StoreError(f"the row of {table.name!r} vanished while it was being written")
         return found
 
+    def __repr__(self) -> str:
+        # Its table, never its engine's URL or its identity's secret (C61).
+        return f"<{type(self).__name__} table={self.table.fullname!r}>"
+
     def verify_table(self) -> None:
         """Read every column once per process before the first claim, so that a missing
         or mismatched table stops requests before any view runs (C45), not at completion."""
