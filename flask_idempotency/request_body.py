@@ -112,17 +112,21 @@ def limit(req: Any, cap: int) -> None:
     if environ.get(_LIMITED):
         return
     environ[_LIMITED] = True
+    length = req.content_length
+    if "wsgi.input_terminated" not in environ:
+        # Werkzeug reads up to Content-Length (refusing one over MAX_CONTENT_LENGTH
+        # itself), or nothing without one: only the layer's own cap to judge.
+        if cap and length is not None and length > cap:
+            raise too_large(cap)
+        return
     bound, setting = cap, "IDEMPOTENCY_MAX_REQUEST_BYTES"
     app_limit = req.max_content_length
     if app_limit is not None and (not bound or app_limit < bound):
         bound, setting = app_limit, "MAX_CONTENT_LENGTH"
     if not bound:
         return
-    length = req.content_length
     if length is not None and length > bound:
         raise too_large(bound, setting)
-    if "wsgi.input_terminated" not in environ:
-        return  # Werkzeug reads up to Content-Length, or nothing without one
     d = req.__dict__
     cached = d.get("_cached_data")
     if cached is not None:  # read whole already, by whatever ran first
