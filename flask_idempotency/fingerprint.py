@@ -3,11 +3,13 @@
 The fingerprint is SHA-256 over the method, the endpoint and its URL rule (the
 path with its values, and the rule's subdomain or host), the media type of the
 body, the query string and a canonical body: JSON with sorted keys and no
-insignificant whitespace, forms as fields, anything else as raw bytes. Query
+insignificant whitespace (up to :data:`CANONICAL_JSON_MAX_BYTES`; a longer JSON
+body as raw bytes), forms as fields, anything else as raw bytes. Query
 items and form fields are sorted by name only, stably: the order of names does
 not matter, the order of a repeated name's values does, as it does to
 ``request.args["a"]``. Each part is length-prefixed so that no two different
-requests can run together into the same byte string.
+requests can run together into the same byte string. The body comes from
+:mod:`.request_body`, its one reader, never from the request's stream directly.
 """
 
 from __future__ import annotations
