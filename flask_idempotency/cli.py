@@ -519,17 +519,19 @@ def create_table_command(sql_only: bool) -> None:
     ]
     if not missing:
         if maintenance.add_secret_column():
-            click.echo(
-                f"Added the column 'secret' to {maintenance.identity_table.name!r}"
-                " (the store's secret, C60)."
-            )
+            click.echo(_SECRET_ADDED.format(maintenance.identity_table.name))
             return
         click.echo(f"The table {maintenance.table.name!r} already exists; nothing to do.")
         return
-    maintenance.create_table()
+    secret_added = maintenance.create_table()
     for name in missing:
         what = " (the store's identity, C41)" if name == maintenance.identity_table.name else ""
         click.echo(f"Created the table {name!r}{what}.")
+    if secret_added:
+        click.echo(_SECRET_ADDED.format(maintenance.identity_table.name))
+
+
+_SECRET_ADDED = "Added the column 'secret' to {!r} (the store's secret, C60)."
 
 
 #: How long ``check`` gives the wake-up listener to confirm its subscription.

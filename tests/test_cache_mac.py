@@ -180,3 +180,52 @@ def test_c60_a_row_without_a_secret_gets_one_once_race_safely(
         thread.join(30)
     assert len(secrets) == race and len(set(secrets)) == 1 and len(secrets[0]) == 64, secrets
     assert store.identity().secret == secrets[0]
+
+
+def _old_identity_table(url: str, name: str) -> None:
+    """``<table>_store`` as a release before issue 34 created it: no ``secret`` column."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                f"CREATE TABLE {name} (singleton INTEGER PRIMARY KEY, id VARCHAR(32) NOT NULL,"
+                " created_at_ms BIGINT NOT NULL)"
+            )
+        )
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, '{'a' * 32}', 1)"))
+    engine.dispose()
+
+
+@pytest.mark.parametrize("how", ["create_table setting", "create-table command"])
+def test_c60_an_identity_table_from_before_the_secret_gets_the_column(
+    tmp_path: Any, how: str
+) -> None:
+    """A ``<table>_store`` made before the secret existed: ``IDEMPOTENCY_CREATE_TABLE``
+    (the first process) or ``flask idempotency create-table`` adds the column; the first
+    reader fills it, and the identity's id is kept."""
+    from flask import Flask
+
+    from flask_idempotency import Idempotency
+
+    url = f"sqlite:///{tmp_path}/old.sqlite3"
+    _old_identity_table(url, "idempotency_keys_store")
+    app = Flask("old", instance_path=str(tmp_path))
+    app.config["IDEMPOTENCY_DATABASE_URI"] = url
+    if how == "create_table setting":
+        app.config["IDEMPOTENCY_CREATE_TABLE"] = True
+    Idempotency(app)
+    store = app.extensions["idempotency"].store
+    try:
+        if how == "create-table command":
+            done = app.test_cli_runner().invoke(args=["idempotency", "create-table"])
+            assert done.exit_code == 0, done.output
+            assert "secret" in done.output
+        else:
+            assert store.engine is not None  # the first use sets the tables up
+        identity = store.identity()
+        assert identity.id == "a" * 32 and len(identity.secret) == 64
+        assert identity.secret.decode() not in repr(identity)
+    finally:
+        store.engine.dispose()

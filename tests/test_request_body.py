@@ -187,6 +187,10 @@ def orders_app(make_app: Any, hook: str | None = None, **config: Any) -> tuple[F
             body = request.get_json()
             seen.append(body)
             return jsonify(items=len(body["items"]), amount=body["amount"]), 201
+        if request.mimetype == "application/octet-stream":
+            data = request.get_data()
+            seen.append(len(data))
+            return jsonify(amount=data.rsplit(b"=", 1)[1].decode(), size=len(data)), 201
         amount = request.form.get("amount")
         files = {name: len(upload.read()) for name, upload in request.files.items()}
         seen.append(amount)
@@ -245,8 +249,9 @@ def test_c31_a_chunked_form_over_the_cap_is_413_never_a_cut_body(
     assert server.last_read <= CAP + 1
 
 
+@pytest.mark.parametrize("kind", ["json", "raw"])
 def test_c31_a_chunked_json_body_over_the_cap_is_413_never_a_cut_body(
-    make_app: Any, serve: Any
+    make_app: Any, serve: Any, kind: str
 ) -> None:
     """C31, issue 34 item 2: a 131 KB JSON body, chunked, used to be fingerprinted (and
     parsed by the view) as its first 65,536 bytes; two bodies that differ only after the
@@ -255,9 +260,8 @@ def test_c31_a_chunked_json_body_over_the_cap_is_413_never_a_cut_body(
     server = serve(app)
     body = json.dumps({"items": ["x" * 100] * 1300, "amount": 100000}).encode()
     assert len(body) > 2 * CAP
-    status, _, data = server.post(
-        "/orders", body, "application/json", headers={"Idempotency-Key": KEY}
-    )
+    media = "application/json" if kind == "json" else "application/octet-stream"
+    status, _, data = server.post("/orders", body, media, headers={"Idempotency-Key": KEY})
     assert (status, seen) == (413, []), data
     assert json.loads(data)["code"] == "request-too-large"
     assert server.last_read <= CAP + 1
@@ -298,7 +302,7 @@ def test_c31_a_form_without_a_key_is_read_through_the_cap_too(make_app: Any, ser
 
 
 @pytest.mark.parametrize("hook", [None, "form", "csrf"])
-@pytest.mark.parametrize("kind", ["urlencoded", "multipart", "json"])
+@pytest.mark.parametrize("kind", ["urlencoded", "multipart", "json", "raw"])
 def test_c31_a_chunked_body_within_the_cap_reaches_the_view_whole(
     make_app: Any, serve: Any, hook: str | None, kind: str
 ) -> None:
@@ -318,6 +322,8 @@ def test_c31_a_chunked_body_within_the_cap_reaches_the_view_whole(
             return b"memo=" + b"x" * 50_000 + f"&amount={amount}".encode(), FORM
         if kind == "multipart":
             return multipart({"memo": "x" * 1000, "amount": amount}, 40_000), MULTIPART
+        if kind == "raw":
+            return b"x" * 60_000 + f"amount={amount}".encode(), "application/octet-stream"
         document = {"items": ["x" * 100] * 400, "amount": int(amount)}
         return json.dumps(document).encode(), "application/json"
 

@@ -316,16 +316,17 @@ class Maintenance:
 
     # -- schema ---------------------------------------------------------------------------
 
-    def create_table(self) -> None:
+    def create_table(self) -> bool:
         """Create the table, its index and its identity (``<table>_store`` and its row),
-        whichever is missing; only ever on the operator's explicit request."""
+        whichever is missing, and the identity's ``secret`` column on a table made before
+        it (``True`` if that was added); only ever on the operator's explicit request."""
 
-        def create(conn: Connection) -> None:
+        def create(conn: Connection) -> bool:
             self.table.create(conn, checkfirst=True)
             self.identity_table.create(conn, checkfirst=True)  # writes the id (identity.py)
-            add_secret_column(conn, self.identity_table)  # a table from before issue 34
+            return add_secret_column(conn, self.identity_table)  # a table from before issue 34
 
-        self._run(create)
+        return self._run(create)
 
     def add_secret_column(self) -> bool:
         """Add the identity's ``secret`` column to a table made before issue 34 (C60);
