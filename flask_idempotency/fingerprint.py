@@ -312,15 +312,9 @@ def _hash_body(
     if mimetype == "application/json" or mimetype.endswith("+json"):
         # Read once, through the cap (:mod:`.request_body`); the view reuses the bytes.
         # A body longer than CANONICAL_JSON_MAX_BYTES is hashed as it streams in.
-        streamed: list[bool] = []
-
-        def raw_chunk(chunk: bytes) -> None:
-            if not streamed:
-                streamed.append(True)
-                body.update(b"raw:")
-            body.update(chunk)
-
-        data = request_body.read(request, raw_chunk, whole_up_to=CANONICAL_JSON_MAX_BYTES)
+        data = request_body.read(
+            request, body.update, whole_up_to=CANONICAL_JSON_MAX_BYTES, before=b"raw:"
+        )
         if data is not None:
             canonical = _canonical_json(data)
             body.update(b"json:" if canonical is not None else b"raw:")
@@ -335,8 +329,7 @@ def _hash_body(
         body.update(_FORM_MIMETYPES[mimetype])
         _hash_fields(request, body, omit_fields, with_files=mimetype == "multipart/form-data")
     else:
-        body.update(b"raw:")
-        request_body.read(request, body.update, whole_up_to=-1)  # kept for the view
+        request_body.read(request, body.update, whole_up_to=-1, before=b"raw:")  # kept, too
 
 
 def _canonical_json(data: bytes) -> bytes | None:

@@ -26,6 +26,8 @@ import tempfile
 from collections.abc import Callable
 from typing import IO, Any
 
+from werkzeug.wsgi import LimitedStream
+
 from .problems import RequestTooLarge
 
 #: Set in the environ once :func:`limit` has run for the request.
@@ -160,26 +162,29 @@ def form(req: Any) -> tuple[Any, Any]:
     return req.form, req.files
 
 
-def read(req: Any, update: Callable[[bytes], Any], *, whole_up_to: int) -> bytes | None:
+def read(
+    req: Any, update: Callable[[bytes], Any], *, whole_up_to: int, before: bytes = b""
+) -> bytes | None:
     """Read a body that is not a form, once, and keep it for the view.
 
     Returns the body when it is at most ``whole_up_to`` bytes, kept where ``get_data()``
     keeps it (so the view's ``get_json()`` reuses it). A longer body is fed to ``update``
-    chunk by chunk instead, kept in memory up to :data:`SPOOL_IN_MEMORY` and in a
-    temporary file above (the view reads it from ``request.stream``), and ``None`` is
-    returned. Either way the body was read through the cap (:func:`limit`).
+    chunk by chunk instead (``before`` first), kept in memory up to
+    :data:`SPOOL_IN_MEMORY` and in a temporary file above (the view reads it from
+    ``request.stream``), and ``None`` is returned. Either way the body was read through
+    the cap (:func:`limit`).
     """
     d = req.__dict__
     cached: bytes | None = d.get("_cached_data")
     if cached is not None:  # a hook cached it (a signature check): the body as read
         if len(cached) <= whole_up_to:
             return cached
+        update(before)
         update(cached)
         return None
     stream = req.stream
-    length = req.content_length
-    if length is not None and "wsgi.input_terminated" not in req.environ:
-        expected: int | None = length  # a LimitedStream of Content-Length: read just that
+    if type(stream) is LimitedStream and "wsgi.input_terminated" not in req.environ:
+        expected: int | None = stream.limit - stream.tell()  # Content-Length: just that
     else:
         expected = None  # read to the end the server finds (through the cap)
     if expected is None or expected <= whole_up_to:
@@ -189,6 +194,7 @@ def read(req: Any, update: Callable[[bytes], Any], *, whole_up_to: int) -> bytes
             return head
     else:
         head = b""
+    update(before)
     _spool(req, stream, head, update)
     return None
 
