@@ -30,6 +30,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from .cli_render import describe_record, iso, moment, printable
 from .fingerprint import ANONYMOUS_SCOPE, authorization_scope, key_digest, with_host
 from .keys import InvalidKey, parse_key
+from .store import StoreError
 from .store.identity import missing_help
 from .store.maintenance import (
     IdentityReport,
@@ -261,8 +262,8 @@ def _record_options(command: F) -> F:
         click.option(
             "--host",
             default=None,
-            help="Without a scope_loader, on a route with a subdomain or a host: the"
-            " request's host (the default scope carries it).",
+            help="Without a scope_loader, on a route with a subdomain or a host (or with"
+            " IDEMPOTENCY_SCOPE_HOST): the request's host (the default scope carries it).",
         ),
         click.option(
             "--digest",
@@ -323,8 +324,8 @@ def _resolve_digest(
             authorization = _read_authorization()
         try:
             full_scope = authorization_scope(authorization, current_app)
-        except RuntimeError as exc:
-            raise click.ClickException(str(exc)) from None
+        except (RuntimeError, StoreError) as exc:  # (the store's own secret, unreadable)
+            raise click.ClickException(printable(str(exc), keep_lines=True)) from None
     else:
         full_scope = ANONYMOUS_SCOPE
     if host is not None:
@@ -525,9 +526,12 @@ def _check_identity(report: IdentityReport) -> None:
             " first process that uses Redis."
         )
         return
+    secret = (
+        "" if report.identity.secret else "; its secret is written by the next process to read it"
+    )
     click.echo(
         f"OK: the table {table!r} holds the store's identity {printable(report.identity.id)}"
-        f" (written {iso(report.identity.created_at_ms)})."
+        f" (written {iso(report.identity.created_at_ms)}){secret}."
     )
 
 
@@ -558,12 +562,20 @@ def create_table_command(sql_only: bool) -> None:
         if not exists
     ]
     if not missing:
+        if maintenance.add_secret_column():
+            click.echo(_SECRET_ADDED.format(maintenance.identity_table.name))
+            return
         click.echo(f"The table {maintenance.table.name!r} already exists; nothing to do.")
         return
-    maintenance.create_table()
+    secret_added = maintenance.create_table()
     for name in missing:
         what = " (the store's identity, C41)" if name == maintenance.identity_table.name else ""
         click.echo(f"Created the table {name!r}{what}.")
+    if secret_added:
+        click.echo(_SECRET_ADDED.format(maintenance.identity_table.name))
+
+
+_SECRET_ADDED = "Added the column 'secret' to {!r} (the store's secret, C60)."
 
 
 #: How long ``check`` gives the wake-up listener to confirm its subscription.

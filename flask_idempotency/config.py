@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -88,10 +89,22 @@ class Settings:
     #: runs, so past this it answers 413 ``request-too-large`` without reading it. ``0``
     #: leaves only Flask's ``MAX_CONTENT_LENGTH``.
     max_request_bytes: int = 10_485_760
-    #: Response headers stored and replayed. ``Set-Cookie``, ``Date``, ``Retry-After``,
-    #: ``Content-Length``, ``WWW-Authenticate`` and hop-by-hop headers are refused.
+    #: Response headers stored and replayed. The caching ones are among them, so a
+    #: ``no-store`` answer is never replayed as cacheable (C62). ``Set-Cookie``, ``Date``,
+    #: ``Retry-After``, ``Content-Length``, ``WWW-Authenticate`` and hop-by-hop headers
+    #: are refused.
     replay_headers: frozenset[str] = frozenset(
-        {"content-type", "content-language", "location", "etag", "last-modified"}
+        {
+            "content-type",
+            "content-language",
+            "location",
+            "etag",
+            "last-modified",
+            "cache-control",
+            "vary",
+            "expires",
+            "content-disposition",
+        }
     )
     #: With the database down: ``False`` answers 503; ``True`` runs the view unprotected,
     #: marked with ``Idempotency-Unprotected`` (C25).
@@ -129,10 +142,28 @@ class Settings:
     #: Seconds after its claim that an owner stops renewing, so a hung view lets go (C44).
     max_runtime: float = 900.0
     #: Key of the default scope's digest of the ``Authorization`` header: an HMAC, so the
-    #: stored scope gives nothing to a wordlist (C30). ``None``: the app's ``SECRET_KEY``.
-    #: Without either, a request scoped by its ``Authorization`` header is an error. Set it
-    #: to keep scopes when ``SECRET_KEY`` rotates; changing it changes those scopes.
+    #: stored scope gives nothing to a wordlist (C30). ``None``: the app's ``SECRET_KEY``;
+    #: without either, a secret the store keeps in its own database (C63). Set it to keep
+    #: scopes when ``SECRET_KEY`` rotates; changing it changes those scopes.
     scope_secret: str | bytes | None = dataclasses.field(default=None, repr=False)
+    #: The request's host in the default scope on every route, not only on routes with a
+    #: subdomain or host rule: for an app that picks its tenant from ``Host`` in a hook
+    #: (user 5 of ``acme.example.com`` is not user 5 of ``globex.example.com``). A client
+    #: that reaches the app under two host names then has two scopes.
+    scope_host: bool = False
+
+    def __repr__(self) -> str:
+        """Every field but the scope secret, URLs with their passwords masked (C61): an
+        error reporter captures the settings among a failing request's locals."""
+        shown = []
+        for field in dataclasses.fields(self):
+            if not field.repr:
+                continue
+            value = getattr(self, field.name)
+            if field.name in ("database_uri", "redis_url") and isinstance(value, str):
+                value = masked_url(value)
+            shown.append(f"{field.name}={value!r}")
+        return f"Settings({', '.join(shown)})"
 
     @functools.cached_property
     def header_environ_key(self) -> str:
@@ -233,9 +264,26 @@ class Settings:
                 self.redis_socket_timeout, "IDEMPOTENCY_REDIS_SOCKET_TIMEOUT"
             ),
             heartbeat=_flag(self.heartbeat, "IDEMPOTENCY_HEARTBEAT"),
+            scope_host=_flag(self.scope_host, "IDEMPOTENCY_SCOPE_HOST"),
             max_runtime=_seconds(self.max_runtime, "IDEMPOTENCY_MAX_RUNTIME"),
             problem_type_base=base if base.endswith(("/", "#", ":")) else base + "/",
         )
+
+
+_QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd|pwd|sentinel_password)=)[^&#]*", re.I)
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password shown as ``***``: ``postgresql://app:***@db/app``, and a
+    ``?password=`` in the query too (C61). For reprs and logs, never for connecting."""
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+        userinfo, at, hosts = rest[:end].rpartition("@")  # a password may hold a bare "@"
+        if at and ":" in userinfo:
+            user = userinfo.split(":", 1)[0]
+            url = f"{scheme}://{user}:***@{hosts}{rest[end:]}"
+    return _QUERY_PASSWORD.sub(r"\1***", url)
 
 
 def config_key(field_name: str) -> str:

@@ -216,8 +216,15 @@ class Idempotency:
             # stays off (store/identity.py), and requests use the database alone.
             return store_origin(store.identity().id, store.table.fullname)
 
+        def secret() -> bytes:
+            # Read in the same identity read as the origin: only the store's database
+            # holds it, so only its apps can seal a value the cache replays (C60).
+            return store.identity().secret
+
         try:
-            tier = RedisTier.from_settings(settings, client=self._redis, origin=origin)
+            tier = RedisTier.from_settings(
+                settings, client=self._redis, origin=origin, secret=secret
+            )
         except ValueError as exc:  # redis-py's words alone would not say which setting
             if self._redis is not None:
                 raise

@@ -3,11 +3,13 @@
 The fingerprint is SHA-256 over the method, the endpoint and its URL rule (the
 path with its values, and the rule's subdomain or host), the media type of the
 body, the query string and a canonical body: JSON with sorted keys and no
-insignificant whitespace, forms as fields, anything else as raw bytes. Query
+insignificant whitespace (up to :data:`CANONICAL_JSON_MAX_BYTES`; a longer JSON
+body as raw bytes), forms as fields, anything else as raw bytes. Query
 items and form fields are sorted by name only, stably: the order of names does
 not matter, the order of a repeated name's values does, as it does to
 ``request.args["a"]``. Each part is length-prefixed so that no two different
-requests can run together into the same byte string.
+requests can run together into the same byte string. The body comes from
+:mod:`.request_body`, its one reader, never from the request's stream directly.
 """
 
 from __future__ import annotations
@@ -18,16 +20,13 @@ import hmac
 import json
 import operator
 import sys
-import tempfile
 from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any
+from typing import Any
 
 from flask import Flask, Request, current_app
 from werkzeug.local import LocalProxy
-from werkzeug.wsgi import LimitedStream
 
-if TYPE_CHECKING:
-    from _hashlib import HASH
+from . import request_body
 
 #: Bumped whenever the canonical form changes, so old records never match by accident.
 #: ``fp2`` (issue 26): a repeated query name, form field or upload keeps its values'
@@ -41,12 +40,15 @@ AUTHORIZATION_SCOPE_PREFIX = "auth-hmac:"
 #: What the scope key is derived from a secret for: the secret itself is never the key,
 #: so the scope digests are no HMAC that any other use of ``SECRET_KEY`` computes.
 _SCOPE_KEY_PURPOSE = b"flask-idempotency scope key v1"
-#: The scope key's HMAC states per secret (the few an app process has), made once.
-_SCOPE_KEYS: dict[str | bytes, tuple[HASH, HASH]] = {}
+#: The scope key's keyed HMAC per secret (the few an app process has), made once.
+_SCOPE_KEYS: dict[str | bytes, hmac.HMAC] = {}
 _SCOPE_KEYS_MAX = 16
 _CHUNK = 64 * 1024
-#: Raw bodies up to this size are hashed in memory; larger ones spill to disk.
-_SPOOL_IN_MEMORY = 1024 * 1024
+#: JSON bodies up to this many bytes (as sent) are fingerprinted as canonical JSON;
+#: longer ones byte for byte, like any other body (C6, C31). Canonicalising parses the
+#: body into Python objects, which for the worst shapes (``[0,0,…]``, ``[[],[],…]``)
+#: take up to about 40 times the body's size: at this size, under 1 MiB.
+CANONICAL_JSON_MAX_BYTES = 16 * 1024
 # One encoder each, built once: ``json.dumps`` with options builds a new encoder on every
 # call, a measurable share of a replay. The output is byte for byte what ``dumps`` gives.
 _VIEW_ARGS_JSON = json.JSONEncoder(sort_keys=True, default=str)
@@ -112,8 +114,8 @@ def key_digest(scope: str, key: str) -> str:
     ).hexdigest()
 
 
-def default_scope(request: Request, app: Flask | None = None) -> str:
-    """Scope when no ``scope_loader`` is registered (C46).
+def default_scope(request: Request, app: Flask | None = None, *, host: bool = False) -> str:
+    """Scope when no ``scope_loader`` is registered, or it returned nothing (C46).
 
     The Flask-Login user when one is logged in; else a keyed digest of
     ``Authorization`` (:func:`authorization_scope`), which changes when a client
@@ -124,7 +126,9 @@ def default_scope(request: Request, app: Flask | None = None) -> str:
 
     On a route with a subdomain or a host (tenants served by host), the default
     scope also carries the request's host (:func:`with_host`): user 5 of
-    ``acme.example.com`` and user 5 of ``globex.example.com`` are two owners.
+    ``acme.example.com`` and user 5 of ``globex.example.com`` are two owners. With
+    ``host`` (``IDEMPOTENCY_SCOPE_HOST``) it carries it on every route: for an app
+    that picks its tenant from ``Host`` in a hook, on plain routes.
 
     ``app``: the request's app, when the caller has it (saves a context look-up).
     """
@@ -141,7 +145,7 @@ def default_scope(request: Request, app: Flask | None = None) -> str:
         else:
             scope = authorization_scope(authorization, current_app if app is None else app)
     rule = request.url_rule
-    if rule is not None and (rule.subdomain or rule.host):
+    if host or (rule is not None and (rule.subdomain or rule.host)):
         return with_host(scope, request.host)
     return scope
 
@@ -150,50 +154,43 @@ def authorization_scope(authorization: str, app: Flask) -> str:
     """The default scope of a request with this ``Authorization`` header (C30, C46).
 
     An HMAC-SHA256 of the header under a key derived from ``IDEMPOTENCY_SCOPE_SECRET``,
-    else the app's ``SECRET_KEY``: the scope is stored, printed by ``flask idempotency
-    show`` and sent with every signal, and an unkeyed digest of a Basic-auth header
-    or a short token gives its secret to a wordlist. Raises ``RuntimeError`` when
-    neither secret is set: no request is scoped by a guessable digest.
+    else the app's ``SECRET_KEY``, else the secret the store keeps in its own database
+    (C63): the scope is stored, printed by ``flask idempotency show`` and sent with
+    every signal, and an unkeyed digest of a Basic-auth header or a short token gives
+    its secret to a wordlist. Raises the store's error when its secret is needed and
+    cannot be read, and ``RuntimeError`` in an app without the extension and without
+    either setting: no request is scoped by a guessable digest.
 
-    The HMAC (RFC 2104) is computed from the key's inner and outer SHA-256 states,
-    made once per secret: a third of ``hmac.digest``'s cost, the same bytes.
+    The standard library's HMAC, keyed once per secret and copied per request: a
+    hand-written one from SHA-256 states saved about half a microsecond, under the
+    noise of a whole replay (issue 34 item 7).
     """
-    inner_state, outer_state = _scope_hmac(app)
-    inner = inner_state.copy()
-    inner.update(authorization.encode("latin-1"))
-    outer = outer_state.copy()
-    outer.update(inner.digest())
-    return AUTHORIZATION_SCOPE_PREFIX + outer.hexdigest()
+    mac = _scope_hmac(app).copy()
+    mac.update(authorization.encode("latin-1"))
+    return AUTHORIZATION_SCOPE_PREFIX + mac.hexdigest()
 
 
-def _scope_hmac(app: Flask) -> tuple[HASH, HASH]:
-    """The scope key's HMAC-SHA256 inner and outer states, from the app's secret."""
+def _scope_hmac(app: Flask) -> hmac.HMAC:
+    """The scope key's HMAC-SHA256, keyed and not yet fed, from the app's secret."""
     state = app.extensions.get("idempotency")
     if state is not None:
-        secret = state.settings.scope_secret
+        secret = state.scope_secret(app)  # the settings', SECRET_KEY, or the store's (C63)
     else:  # a bare app (tests of the fingerprint alone): the same settings, unchecked
-        secret = app.config.get("IDEMPOTENCY_SCOPE_SECRET")
-    if secret is None:
-        secret = app.config.get("SECRET_KEY")
-    if not secret or not isinstance(secret, (str, bytes)):
-        raise RuntimeError(
-            "Flask-Idempotency: this request is scoped by its Authorization header (no"
-            " scope_loader, no logged-in Flask-Login user), and that scope is an HMAC of"
-            " the header: set IDEMPOTENCY_SCOPE_SECRET or the app's SECRET_KEY, or"
-            " register @idempotency.scope_loader returning the tenant or user id."
-        )
-    states = _SCOPE_KEYS.get(secret)
-    if states is None:
+        secret = app.config.get("IDEMPOTENCY_SCOPE_SECRET") or app.config.get("SECRET_KEY")
+        if not secret or not isinstance(secret, (str, bytes)):
+            raise RuntimeError(
+                "Flask-Idempotency: this request is scoped by its Authorization header, and"
+                " that scope is an HMAC of the header: set IDEMPOTENCY_SCOPE_SECRET or the"
+                " app's SECRET_KEY (with the extension registered, the store's own secret"
+                " serves when neither is set)."
+            )
+    keyed = _SCOPE_KEYS.get(secret)
+    if keyed is None:
         raw = secret.encode("utf-8") if isinstance(secret, str) else secret
-        # 32 bytes: shorter than SHA-256's 64-byte block, so padded, never hashed first.
-        key = hmac.digest(raw, _SCOPE_KEY_PURPOSE, "sha256").ljust(64, b"\0")
-        states = (
-            hashlib.sha256(bytes(byte ^ 0x36 for byte in key)),
-            hashlib.sha256(bytes(byte ^ 0x5C for byte in key)),
-        )
+        keyed = hmac.new(hmac.digest(raw, _SCOPE_KEY_PURPOSE, "sha256"), digestmod="sha256")
         if len(_SCOPE_KEYS) < _SCOPE_KEYS_MAX:
-            _SCOPE_KEYS[secret] = states
-    return states
+            _SCOPE_KEYS[secret] = keyed
+    return keyed
 
 
 def with_host(scope: str, host: str) -> str:
@@ -309,45 +306,21 @@ def _media_type(request: Request) -> tuple[str, bytes]:
     return known
 
 
-def _read_body(request: Request) -> bytes:
-    """``request.get_data(cache=True)``, without its 64 KiB scratch buffer for a small body.
-
-    The body comes through Werkzeug's guarded stream all the same (``MAX_CONTENT_LENGTH``
-    and ``Content-Length`` apply, C31) and is cached where ``get_data`` caches it, so
-    the view's ``get_json()`` reuses this one copy. Werkzeug's ``readall`` reads into
-    a fresh 64 KiB buffer even for a 60-byte body; read up to ``Content-Length`` here.
-    """
-    cached: bytes | None = getattr(request, "_cached_data", None)
-    if cached is not None:
-        return cached
-    stream = request.stream
-    if not isinstance(stream, LimitedStream) or "wsgi.input_terminated" in request.environ:
-        return request.get_data(cache=True)  # no Content-Length to read up to
-    # Content-Length (never above the app's limit: Werkzeug answered 413 for that);
-    # a body that ends early raises ClientDisconnected, as in get_data.
-    remaining = stream.limit - stream.tell()
-    chunks = []
-    while remaining > 0:
-        chunk = stream.read(min(remaining, _CHUNK))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    request._cached_data = data  # where get_data caches it
-    return data
-
-
 def _hash_body(
     request: Request, mimetype: str, body: Any, omit_fields: frozenset[str] = frozenset()
 ) -> None:
     if mimetype == "application/json" or mimetype.endswith("+json"):
-        data = _read_body(request)
-        canonical = _canonical_json(data)
-        body.update(b"json:" if canonical is not None else b"raw:")
-        body.update(canonical if canonical is not None else data)
+        # Read once, through the cap (:mod:`.request_body`); the view reuses the bytes.
+        # A body longer than CANONICAL_JSON_MAX_BYTES is hashed as it streams in.
+        data = request_body.read(
+            request, body.update, whole_up_to=CANONICAL_JSON_MAX_BYTES, before=b"raw:"
+        )
+        if data is not None:
+            canonical = _canonical_json(data)
+            body.update(b"json:" if canonical is not None else b"raw:")
+            body.update(canonical if canonical is not None else data)
     elif mimetype in _FORM_MIMETYPES:
-        # A form is parsed once, by Werkzeug, straight from the stream, exactly as the
+        # A form is parsed once, by Werkzeug, from the capped stream, exactly as the
         # view would have it parsed, and the view reuses that parse: its fields (and
         # uploads, spooled to Werkzeug's temporary files) are the one copy (C31). The
         # raw bytes are not kept on top of it: an app that verifies a signature over
@@ -356,8 +329,7 @@ def _hash_body(
         body.update(_FORM_MIMETYPES[mimetype])
         _hash_fields(request, body, omit_fields, with_files=mimetype == "multipart/form-data")
     else:
-        body.update(b"raw:")
-        _spool_stream(request, body)
+        request_body.read(request, body.update, whole_up_to=-1, before=b"raw:")  # kept, too
 
 
 def _canonical_json(data: bytes) -> bytes | None:
@@ -436,9 +408,10 @@ def _hash_fields(request: Request, body: Any, omit: frozenset[str], *, with_file
     built: an 80 MiB field used to cost two more 80 MiB copies (the JSON string and
     its UTF-8 bytes), see C31.
     """
-    fields = [["f", k, v] for k, v in request.form.items(multi=True) if k not in omit]
+    form, files = request_body.form(request)
+    fields = [["f", k, v] for k, v in form.items(multi=True) if k not in omit]
     if with_files:
-        for name, upload in request.files.items(multi=True):
+        for name, upload in files.items(multi=True):
             content = hashlib.sha256()
             stream = upload.stream
             for chunk in iter(functools.partial(stream.read, _CHUNK), b""):
@@ -469,44 +442,6 @@ def _hash_json_string(text: str, body: Any) -> None:
     for start in range(0, len(text), _CHUNK):
         body.update(_JSON_STRING(text[start : start + _CHUNK])[1:-1].encode("utf-8"))
     body.update(b'"')
-
-
-def _spool_stream(request: Request, body: Any | None) -> None:
-    """Read the body once, hashing it into ``body`` if given, and hand the view a spooled copy.
-
-    The body is read through Werkzeug's guarded stream (so the app's
-    ``MAX_CONTENT_LENGTH`` applies, C31), chunk by chunk, and kept in one place
-    only: memory for small bodies, a temporary file for large ones.
-    """
-    cached = getattr(request, "_cached_data", None)
-    if cached is not None:
-        if body is not None:
-            body.update(cached)
-        return
-    stream = request.stream
-    # Not a context manager: the spool outlives this call, closed with the request.
-    spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY)  # noqa: SIM115
-    try:
-        for chunk in iter(lambda: stream.read(_CHUNK), b""):
-            if body is not None:
-                body.update(chunk)
-            spool.write(chunk)
-    except BaseException:
-        spool.close()
-        raise
-    spool.seek(0)
-    request.__dict__["stream"] = spool
-    request.close = _closing(request.close, spool)  # type: ignore[method-assign]
-
-
-def _closing(close: Any, spool: IO[bytes]) -> Any:
-    def close_both() -> None:
-        try:
-            close()
-        finally:
-            spool.close()
-
-    return close_both
 
 
 def _digest(*parts: bytes) -> str:

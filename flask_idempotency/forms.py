@@ -21,7 +21,7 @@ import secrets
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from flask import Request, current_app
+from flask import current_app
 from markupsafe import Markup, escape
 
 from .keys import InvalidKey, parse_key
@@ -58,15 +58,14 @@ def idempotency_key_field(key: str | None = None) -> Markup:
     return Markup('<input type="hidden" name="{}" value="{}">').format(escape(name), escape(value))
 
 
-def key_from_form(request: Request, settings: Settings) -> str | None:
+def key_in_form(fields: Any, settings: Settings) -> str | None:
     """The key in the form field ``IDEMPOTENCY_FORM_FIELD``, or ``None`` without one.
 
-    Only form bodies are looked at. The form is parsed here by Werkzeug, once,
-    as the fingerprint and the view would parse it; they reuse this parse (C31).
+    ``fields``: the form's fields (a ``MultiDict``), as :func:`.request_body.form`
+    parsed them, once, through the cap; the fingerprint and the view reuse that
+    parse (C31).
     """
-    if request.mimetype not in FORM_MIMETYPES:
-        return None
-    values = request.form.getlist(settings.form_field)
+    values = fields.getlist(settings.form_field)
     if not values:
         return None
     name = settings.form_field

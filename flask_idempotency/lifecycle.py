@@ -11,11 +11,12 @@ settle   the response Flask made of it, error handlers included and before the
          waiters, or release the claim; whatever ends the request unsettled
          (an exception, an exit) releases it (C15)
 
-A request to any other view runs nothing of the layer: the one hook the extension
-registers wraps the marked views on the app's first request and then takes itself
-out (issue 11). Every ``before_request`` hook of the app has run before the layer
-decides, so a hook that rejects a request (CSRF, permissions) never claims a key,
-and the scope loader sees what those hooks loaded.
+The one hook the extension registers runs before every other hook of the app: on the
+first request it wraps the marked views, and on a request to a marked view it puts
+the body cap in place before any hook can read the body (C31, :mod:`.request_body`);
+for any other view it is one dictionary look-up. Every ``before_request`` hook of the
+app has run before the layer decides, so a hook that rejects a request (CSRF,
+permissions) never claims a key, and the scope loader sees what those hooks loaded.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from flask import Flask, Response, after_this_request, current_app, has_request_context, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from . import forms, misuse, signals
+from . import forms, misuse, request_body, signals
 from .completion import settle as completion
 from .completion.ownership import Ownership
 from .config import EffectiveOptions, RouteOptions
@@ -43,12 +44,13 @@ from .problems import (
     InvalidKeyProblem,
     MissingKey,
     RequestInProgress,
+    RequestTooLarge,
     RouteMisconfigured,
     StoreUnavailable,
 )
 from .problems import KeyReused as KeyReusedProblem
 from .records import Claim, Completed, Identity, Record
-from .request_body import cap_body, too_large
+from .request_body import too_large
 from .responses import replay
 from .store import StoreError, StoreMisconfigured
 
@@ -66,6 +68,8 @@ _STORE_RETRY_AFTER = 3.0
 _OWNERSHIP_KEY = "flask_idempotency.ownership"
 #: Set on the wrapper that stands for a marked view in ``app.view_functions``.
 _PROTECTED_ATTR = "__idempotency_protected__"
+#: The wrapper's function that puts a request's body under the cap before any hook.
+_BODY_GUARD_ATTR = "__idempotency_body_guard__"
 
 
 def current_ownership() -> Ownership | None:
@@ -80,37 +84,52 @@ def current_ownership() -> Ownership | None:
 
 
 def install(app: Flask) -> None:
-    """Put the layer in front of ``app``'s marked views, at its first request.
+    """Put the layer in front of ``app``'s marked views, and their bodies under the cap.
 
-    Only then is the app's set of views final (Flask refuses new routes after the
-    first request) and every ``@idempotent`` applied, in whichever order it was
-    stacked with the route decorator. The hook then removes itself, so later
-    requests to unmarked views never enter the layer.
+    The views are wrapped at the first request: only then is the app's set of views
+    final (Flask refuses new routes after the first request) and every ``@idempotent``
+    applied, in whichever order it was stacked with the route decorator.
+
+    The hook is a URL value preprocessor, which Flask runs before every
+    ``before_request`` hook, the app's and its blueprints', whenever they were
+    registered: a hook that reads the form (Flask-WTF's ``CSRFProtect``, a locale
+    switch reading ``request.values``) then reads it through the cap (C31).
     """
+    body_guards: dict[str | None, Callable[[Any], None]] = {}
+    wrapped: list[bool] = []
 
-    def protect_on_first_request() -> None:
-        protect_views(app)
-        hooks = app.before_request_funcs.get(None)
-        if hooks is not None and protect_on_first_request in hooks:
-            # A new list, not an edit: a concurrent first request may be iterating the old one.
-            app.before_request_funcs[None] = [h for h in hooks if h is not protect_on_first_request]
+    def guard_bodies(endpoint: str | None, values: Any) -> None:
+        if not wrapped:
+            protect_views(app, body_guards)
+            wrapped.append(True)
+        guard = body_guards.get(endpoint)
+        if guard is not None:
+            guard(_current_request())
 
-    app.before_request(protect_on_first_request)
+    app.url_value_preprocessors.setdefault(None, []).insert(0, guard_bodies)
 
 
-def protect_views(app: Flask) -> None:
+def protect_views(
+    app: Flask, body_guards: dict[str | None, Callable[[Any], None]] | None = None
+) -> None:
     """Replace each marked view of ``app`` by its protected wrapper (once; idempotent).
 
     The mark sits on the registered view function, or, for a class-based view, on
     one of its handler methods (``MethodView.post``). Racing callers both wrap the
-    registered original, so a view never ends up wrapped twice.
+    registered original, so a view never ends up wrapped twice. ``body_guards`` gets,
+    per protected endpoint, what puts its request bodies under the cap.
     """
     views = app.view_functions
     wrapped = {}
     for endpoint, view in list(views.items()):
         if not getattr(view, _PROTECTED_ATTR, False) and marked(view):
-            views[endpoint] = _protect(app, view)
+            views[endpoint] = protected = _protect(app, view)
             wrapped[endpoint] = view
+        else:
+            protected = views[endpoint]
+        guard = getattr(protected, _BODY_GUARD_ATTR, None)
+        if guard is not None and body_guards is not None:
+            body_guards[endpoint] = guard
     # Before the first request is answered; what init_app has said is not said again.
     misuse.report(app, app.extensions["idempotency"], wrapped)
 
@@ -122,6 +141,11 @@ def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
     run_view = app.ensure_sync(unguarded(view))  # a coroutine view as Flask
     # A view function's own options are fixed; a class-based view's depend on the method.
     fixed: RouteOptions | None = getattr(view, ROUTE_OPTIONS_ATTR, None)
+
+    def guard_body(req: Any) -> None:
+        route = fixed if fixed is not None else route_options(view, req.method)
+        if route is not None:
+            _limit_body(state, req, route)
 
     @functools.wraps(view)
     def protected(*args: Any, **kwargs: Any) -> Any:
@@ -136,7 +160,24 @@ def _protect(app: Flask, view: Callable[..., Any]) -> Callable[..., Any]:
         return run_view(*args, **kwargs)
 
     setattr(protected, _PROTECTED_ATTR, True)
+    setattr(protected, _BODY_GUARD_ATTR, guard_body)
     return protected
+
+
+def _limit_body(state: AppState, req: Any, route: RouteOptions) -> None:
+    """Put the cap on the body of a request the layer will read the body of: one with a
+    key header (the fingerprint) or a form (its key may be a field, C49), on a method
+    the route protects. A request without either is left as it came: the layer reads
+    nothing of it and the view runs as without the layer (C4)."""
+    try:
+        methods = state.effective_options(route).methods
+    except ValueError:
+        return  # a misconfigured route: its wrapper says so
+    if req.method not in methods:
+        return
+    settings = state.settings
+    if settings.header_environ_key in req.environ or req.mimetype in forms.FORM_MIMETYPES:
+        request_body.limit(req, settings.max_request_bytes)
 
 
 #: The request object itself, without the attribute proxying of ``request``.
@@ -180,20 +221,29 @@ def _decide_request(
             key = parse_key(
                 [header], strict=settings.strict_header, max_length=settings.key_max_length
             )
-        else:  # C49: no header, maybe a form field (Werkzeug's form limits apply there)
-            key = forms.key_from_form(req, settings)
+            request_body.limit(req, settings.max_request_bytes)  # (in place since the hook)
+        elif req.mimetype in forms.FORM_MIMETYPES:  # C49: no header, maybe a form field
+            request_body.limit(req, settings.max_request_bytes)
+            key = forms.key_in_form(request_body.form(req)[0], settings)
+        else:
+            key = None
     except InvalidKey as exc:
         raise InvalidKeyProblem(str(exc)) from None  # C3
     if key is None:
         if options.required:
             raise MissingKey(f"This endpoint requires an {settings.header} header.")  # C4
         return None
-    if header is not None:
-        cap_body(req, settings.max_request_bytes)
-    scope = state.scope_for_request(req, app)
+    try:
+        scope = state.scope_for_request(req, app)
+    except StoreError as exc:  # the store's own scope secret is unreadable (C63)
+        _store_down(state, None, started, exc, action="scope")  # 503, unless failing open
+        after_this_request(_mark_unprotected)
+        return None
     try:
         fingerprint = request_fingerprint(req, forms.omitted_fields(settings, app.config))
-    except RequestEntityTooLarge:  # a body without Content-Length ran past the cap
+    except RequestTooLarge:
+        raise
+    except RequestEntityTooLarge:  # Werkzeug's own limit (MAX_CONTENT_LENGTH)
         raise too_large(settings.max_request_bytes) from None
     ident = Identity(scope, key_digest(scope, key), fingerprint, method, req.path)
     guard_locks = options.atomic
@@ -274,8 +324,15 @@ def _wait_for_original(
     return outcome
 
 
-def _store_down(state: AppState, ident: Identity, started: float, exc: StoreError) -> None:
-    """Answer 503 for a store that cannot claim; return only when the app fails open (C25).
+def _store_down(
+    state: AppState,
+    ident: Identity | None,
+    started: float,
+    exc: StoreError,
+    action: str = "claim",
+) -> None:
+    """Answer 503 for a store that cannot claim (or, ``action="scope"``, give the secret
+    a request's default scope is keyed by); return only when the app fails open (C25).
 
     A missing or mismatched table is a deployment error: never fail open for it (C45).
     """
@@ -287,7 +344,7 @@ def _store_down(state: AppState, ident: Identity, started: float, exc: StoreErro
         state.outage_log.warning(
             "idempotency: durable store unavailable (%s), e.g. for key %s",
             exc,
-            ident.key_digest[:16],
+            ident.key_digest[:16] if ident is not None else "(not named: no scope)",
         )
     answer = "unprotected" if fail_open else "503"
     _send(
@@ -296,7 +353,7 @@ def _store_down(state: AppState, ident: Identity, started: float, exc: StoreErro
         started,
         tier="database",
         error=str(exc),
-        action="claim",
+        action=action,
         answer=answer,
     )
     if fail_open:
@@ -391,14 +448,15 @@ def mark_failed(sender: Any, exception: BaseException, **extra: Any) -> None:
 # -- signals -------------------------------------------------------------------------
 
 
-def _send(signal: Any, ident: Identity, started: float, **extra: Any) -> None:
-    """Every decision's signal carries the digest, scope, route and time spent (C30)."""
+def _send(signal: Any, ident: Identity | None, started: float, **extra: Any) -> None:
+    """Every decision's signal carries the digest, scope, route and time spent (C30);
+    ``None`` for the first two when the scope could not be made (the store is down)."""
     if signal.receivers:
         signals.send(
             signal,
             current_app._get_current_object(),  # type: ignore[attr-defined]
-            key_digest=ident.key_digest,
-            scope=ident.scope,
+            key_digest=None if ident is None else ident.key_digest,
+            scope=None if ident is None else ident.scope,
             route=request.endpoint,
             duration=time.perf_counter() - started,
             **extra,

@@ -26,7 +26,7 @@ from .fingerprint import default_scope
 from .logs import ThrottledLog
 from .notify import WakeupHub
 from .records import COMPLETED, Claim, Completed, Identity, Record
-from .store import DurableStore
+from .store import DurableStore, StoreError
 from .store.clock import DatabaseClock
 
 
@@ -67,6 +67,11 @@ class AppState:
     _default_scope_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     #: What this app has warned of already (:meth:`warn_once`).
     _warned: set[Any] = dataclasses.field(default_factory=set)
+
+    def __repr__(self) -> str:
+        # What an error reporter shows among a failing request's locals: the settings
+        # with their URLs' passwords masked, no secret (C61).
+        return f"<AppState store={self.store!r} cache={self.cache!r} settings={self.settings!r}>"
 
     def look_up(
         self, ident: Identity, *, ttl: float, lease: float, guard_locks: bool
@@ -184,7 +189,37 @@ class AppState:
                     return "scope:" + text
         elif not self._default_scope_told:
             self._tell_default_scope()
-        return default_scope(request if req is None else req, app)
+        try:
+            return default_scope(
+                request if req is None else req, app, host=self.settings.scope_host
+            )
+        except StoreError as exc:  # the store's own secret was needed and is unreadable
+            why = (
+                "the scope_loader returned nothing for it"
+                if loader is not None
+                else "no scope_loader is registered"
+            )
+            raise type(exc)(
+                f"this request is scoped by its Authorization header ({why}, and no"
+                " Flask-Login user is logged in); that scope's HMAC is keyed by"
+                " IDEMPOTENCY_SCOPE_SECRET, else SECRET_KEY, else the store's own secret,"
+                f" which could not be read: {exc}"
+            ) from exc
+
+    def scope_secret(self, app: Flask) -> str | bytes:
+        """What keys the default scope's HMAC of ``Authorization`` (C30, C63):
+        ``IDEMPOTENCY_SCOPE_SECRET``, else the app's ``SECRET_KEY``, else the secret the
+        store keeps in its own database beside its identity (read once per process,
+        never logged), so that no secret has to be configured by hand.
+
+        Raises the store's error when its secret is needed and cannot be read.
+        """
+        secret = self.settings.scope_secret
+        if secret is None:
+            secret = app.config.get("SECRET_KEY")
+        if secret and isinstance(secret, (str, bytes)):
+            return secret
+        return self.store.identity().secret
 
     def _tell_default_scope(self) -> None:
         """Warn once per app that keys are scoped by the defaults, and what they risk (C46)."""
@@ -196,8 +231,9 @@ class AppState:
             "idempotency: no scope_loader is registered, so keys are scoped by the Flask-Login"
             " user when one is logged in, else by a digest of the Authorization header (a client"
             " that refreshes its token between retries gets the view run again), else shared"
-            " as 'anonymous'. Register @idempotency.scope_loader returning the tenant or user"
-            " id."
+            " as 'anonymous'. On a route without a subdomain or host rule the request's host"
+            " is not part of it (IDEMPOTENCY_SCOPE_HOST adds it). Register"
+            " @idempotency.scope_loader returning the tenant or user id."
         )
 
 

@@ -64,6 +64,7 @@ class RedisTier:
         first_wait: float = 0.5,
         cluster: bool = False,
         replay_headers: Iterable[str] | None = None,
+        secret: bytes | Callable[[], bytes] | None = None,
     ) -> None:
         self.outage = Outage()
         shards = ShardOutages(client) if cluster else None
@@ -74,6 +75,7 @@ class RedisTier:
             outage=self.outage,
             shards=shards,
             replay_headers=replay_headers,
+            secret=secret,
         )
         self.notifier: RedisNotifier
         if cluster:
@@ -134,12 +136,20 @@ class RedisTier:
     def close(self) -> None:
         self.notifier.close()
 
+    def __repr__(self) -> str:
+        return f"<RedisTier {self.cache!r}>"  # never a client, a URL or the secret (C61)
+
     @classmethod
     def from_settings(
-        cls, settings: Settings, client: Any = None, origin: str | Callable[[], str] = ""
+        cls,
+        settings: Settings,
+        client: Any = None,
+        origin: str | Callable[[], str] = "",
+        secret: bytes | Callable[[], bytes] | None = None,
     ) -> RedisTier:
         """The tier for an app: from a given ``client`` or the URL, never waiting on Redis
-        longer than ``IDEMPOTENCY_REDIS_SOCKET_TIMEOUT`` (C24)."""
+        longer than ``IDEMPOTENCY_REDIS_SOCKET_TIMEOUT`` (C24). ``origin`` and ``secret``:
+        the store's name in Redis and the secret its values' MAC is keyed by (C41, C60)."""
         timeout = settings.redis_socket_timeout
         first_wait = min(1.0, max(0.25, 5 * timeout))
         common: dict[str, Any] = {
@@ -147,6 +157,7 @@ class RedisTier:
             "origin": origin,
             "first_wait": first_wait,
             "replay_headers": settings.replay_headers,
+            "secret": secret,
         }
         if client is not None:
             if topology.is_cluster_client(client):

@@ -559,13 +559,26 @@ def test_i26_5_c30_show_reads_the_authorization_header_off_the_command_line(
     assert empty.exit_code == 2
 
 
-def test_i26_5_c30_show_without_a_scope_secret_says_what_to_set(make_app: Any) -> None:
+def test_c63_show_without_a_scope_secret_uses_the_stores_own(make_app: Any) -> None:
+    """C63: with no secret configured, the Authorization scope is keyed by the store's
+    own secret, which ``show`` reads from the store as a request does: it names the
+    record, and prints neither the header nor the secret."""
     app, _ = make_app()
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        return {"ok": True}, 201
+
+    headers = {"Idempotency-Key": "k", "Authorization": "Bearer x"}
+    assert app.test_client().post("/pay", json={}, headers=headers).status_code == 201
     result = app.test_cli_runner().invoke(
         args=["idempotency", "show", "k", "--authorization", "Bearer x"]
     )
-    assert result.exit_code == 1
-    assert "IDEMPOTENCY_SCOPE_SECRET" in result.output and "SECRET_KEY" in result.output
+    assert result.exit_code == 0, result.output
+    assert "scope          auth-hmac:" in result.output and "Bearer x" not in result.output
+    secret = app.extensions["idempotency"].store.identity().secret.decode()
+    assert secret not in result.output
 
 
 def test_c28_show_and_forget_reject_bad_arguments(payments_app: tuple[Flask, list[int]]) -> None:

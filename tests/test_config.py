@@ -41,6 +41,10 @@ def test_defaults_match_the_contract() -> None:
         "location",
         "etag",
         "last-modified",
+        "cache-control",  # C62: a replay keeps the caching semantics of the original
+        "vary",
+        "expires",
+        "content-disposition",
     }
     assert s.fail_open is False
     assert s.redis_prefix == "idem"

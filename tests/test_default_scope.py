@@ -236,24 +236,98 @@ def test_i26_5_c30_the_digest_is_keyed_by_the_scope_secret_else_secret_key(make_
     )
 
 
-def test_i26_5_c30_without_a_secret_the_authorization_scope_fails_loudly(make_app) -> None:
-    """No ``SECRET_KEY`` and no ``IDEMPOTENCY_SCOPE_SECRET``: a request that would be
-    scoped by its ``Authorization`` header is an error naming both, the view does not
-    run and nothing is stored; requests scoped otherwise are not affected."""
+def test_c63_without_a_secret_the_authorization_scope_is_keyed_by_the_stores_own(
+    make_app, caplog
+) -> None:
+    """C63 (issue 35 item 1): no ``SECRET_KEY`` and no ``IDEMPOTENCY_SCOPE_SECRET`` (a JSON
+    API without sessions). A request scoped by its ``Authorization`` header used to be an
+    HTML 500; now its scope is the HMAC under a key derived from the secret the store
+    keeps beside its identity: the same in every process on that store (a second app on
+    the same database replays), another store's is another, and it is never logged."""
     app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
     calls = _counted(app)
-    with pytest.raises(RuntimeError, match=r"IDEMPOTENCY_SCOPE_SECRET.*SECRET_KEY"):
-        _post_with(app, "Bearer tok")
+    caplog.set_level(logging.DEBUG, logger="flask_idempotency")
+    first = _post_with(app, "Bearer tok")
+    assert first.status_code == 201 and calls == ["pay"]
+    store = app.extensions["idempotency"].store
+    secret = store.identity().secret
+    key = hmac.digest(secret, b"flask-idempotency scope key v1", "sha256")
+    expected = "auth-hmac:" + hmac.new(key, b"Bearer tok", "sha256").hexdigest()
+    assert _stored_scopes(app) == [expected]
+    assert secret.decode() not in caplog.text
+    uri = app.config["IDEMPOTENCY_DATABASE_URI"]
+    same_store, _ = make_app({"IDEMPOTENCY_WAIT": 0, "IDEMPOTENCY_DATABASE_URI": uri})
+    same_calls = _counted(same_store)
+    again = _post_with(same_store, "Bearer tok")
+    assert again.headers.get(REPLAYED) == "true" and again.data == first.data
+    assert same_calls == []
+    other_store, _ = make_app({"IDEMPOTENCY_WAIT": 0})
+    _counted(other_store)
+    assert _post_with(other_store, "Bearer tok").status_code == 201
+    assert _stored_scopes(other_store) != [expected]
+
+
+@pytest.mark.parametrize("loader", [False, True], ids=["no-loader", "loader-returns-none"])
+def test_c63_an_unreadable_store_secret_is_a_503_that_says_why(make_app, caplog, loader) -> None:
+    """C63, C45: the store's secret is needed (no secret configured, a request scoped by
+    ``Authorization``) and its table is missing: a 503 problem, never a 500, the view not
+    run; the log names the cause, and says the loader returned nothing when it did (it
+    used to say "no scope_loader" either way)."""
+    app, ext = make_app({"IDEMPOTENCY_WAIT": 0})
+    if loader:
+        ext.scope_loader(lambda: None)
+    calls = _counted(app)
+    store = app.extensions["idempotency"].store
+    store.identity_table.drop(store.engine)
+    caplog.set_level(logging.WARNING, logger="flask_idempotency")
+    response = _post_with(app, "Bearer tok")
+    assert response.status_code == 503 and response.mimetype == "application/problem+json"
     assert calls == [] and _stored_scopes(app) == []
-    assert _post(app, None, key="anonymous").status_code == 201  # no Authorization header
-    login_app, _ = make_app({"IDEMPOTENCY_WAIT": 0})
-    _with_login(login_app)
-    _counted(login_app)
-    assert _post(login_app, "token-before-refresh").status_code == 201  # the user's scope
-    loader_app, ext = make_app({"IDEMPOTENCY_WAIT": 0})
-    ext.scope_loader(lambda: "tenant-1")
-    _counted(loader_app)
-    assert _post_with(loader_app, "Bearer tok").status_code == 201
+    (logged,) = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.ERROR and "this request is scoped" in r.getMessage()
+    ]
+    assert "Authorization" in logged and store.identity_table.name in logged
+    if loader:
+        assert "the scope_loader returned nothing" in logged and "no scope_loader" not in logged
+    else:
+        assert "no scope_loader is registered" in logged
+    assert _post(app, None, key="anonymous").status_code == 201  # no Authorization: no secret
+
+
+def test_i34_7_c5_the_host_is_in_the_default_scope_with_scope_host(make_app) -> None:
+    """Issue 34 item 7 (C5): an app that picks its tenant from ``Host`` in a hook, with
+    Flask-Login ids that repeat per tenant, on a plain route. By default the host is not
+    part of the default scope there (globex's user 5 gets acme's stored answer: the
+    documented limit, docs/guarantees.md); with ``IDEMPOTENCY_SCOPE_HOST`` it is, and the
+    two user 5s are two owners."""
+    from flask import current_app, request
+
+    for scope_host, shared in ((False, True), (True, False)):
+        app, _ = make_app({"IDEMPOTENCY_WAIT": 0, "IDEMPOTENCY_SCOPE_HOST": scope_host})
+        login = LoginManager(app)
+        login.request_loader(lambda request: User("5"))  # each tenant's user 5
+        orders: list[str] = []
+        app.config["ORDERS"] = orders
+
+        @app.post("/orders")
+        @idempotent
+        def place():
+            current_app.config["ORDERS"].append(request.host)
+            return jsonify(tenant=request.host.split(".")[0]), 201
+
+        answers = [
+            app.test_client().post(
+                "/orders",
+                json={"item": 1},
+                headers={"Idempotency-Key": "k1"},
+                base_url=f"https://{tenant}.example.com",
+            )
+            for tenant in ("acme", "globex")
+        ]
+        assert answers[1].get_json()["tenant"] == ("acme" if shared else "globex"), scope_host
+        assert len(orders) == (1 if shared else 2)
 
 
 @pytest.mark.parametrize("value", ["", b"", 42, ["s"]])

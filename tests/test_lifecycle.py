@@ -400,6 +400,31 @@ def test_c9_replay_status_body_and_allow_listed_headers(app_calls) -> None:
     assert calls == ["pay"]
 
 
+def test_c62_a_replay_keeps_the_caching_semantics_of_the_original(app_calls) -> None:
+    """C62: ``Cache-Control``, ``Vary``, ``Expires`` and ``Content-Disposition`` are stored
+    and replayed by default: a ``no-store`` answer (a private receipt, say) is never
+    replayed without it, where a shared cache could keep it."""
+    app, _, calls = app_calls
+
+    @app.post("/receipt")
+    @idempotent
+    def receipt():
+        calls.append("receipt")
+        response = Response(b"receipt 7", status=201, mimetype="application/pdf")
+        response.headers["Cache-Control"] = "no-store, private"
+        response.headers["Vary"] = "Authorization, Accept-Language"
+        response.headers["Expires"] = "0"
+        response.headers["Content-Disposition"] = 'attachment; filename="receipt-7.pdf"'
+        return response
+
+    client = app.test_client()
+    first = client.post("/receipt", json={}, headers=KEY)
+    replayed = client.post("/receipt", json={}, headers=KEY)
+    assert replayed.headers.get(REPLAYED) == "true" and calls == ["receipt"]
+    for name in ("Cache-Control", "Vary", "Expires", "Content-Disposition"):
+        assert replayed.headers.get(name) == first.headers.get(name), name
+
+
 def test_c9_compressed_body_replays_with_its_content_encoding(app_calls) -> None:
     """A compression hook in after_request: the layer stores the view's own response and
     the hook compresses the first answer and the replay alike, so both carry the same

@@ -300,3 +300,57 @@ def test_i16_c29_the_migration_runs_on_mariadb_with_longblob_bodies_and_utf8mb4(
     downgraded = flask(url, "db", "downgrade", "base")
     assert downgraded.returncode == 0, downgraded.stderr
     assert not {"idempotency_keys", "idempotency_keys_store"} & tables(url)
+
+
+#: The revision before the store's secret (issue 34, C60).
+BEFORE_SECRET = "d921ddd355bf"
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_c60_upgrading_a_deployment_adds_the_secret_and_its_first_reader_fills_it(
+    empty_pg_database: str,
+) -> None:
+    """A database migrated by the release before has an identity without a secret: with a
+    Redis tier, `check` names the missing column and the fix (the tier would stay off,
+    requests served by the database alone); `flask db upgrade` adds the column, empty, and
+    the first process that reads the identity fills it with 256 random bits, which no
+    command prints; the schema then matches the code (`flask db check`)."""
+    import redis
+
+    from .conftest import REDIS_URL
+
+    probe = redis.Redis.from_url(REDIS_URL, socket_timeout=1, socket_connect_timeout=1)
+    try:
+        probe.ping()
+    except redis.RedisError as exc:
+        service_missing("Redis", str(exc))
+    finally:
+        probe.close()
+    with_redis = {
+        "REDIS_URL": REDIS_URL,
+        "FLASK_IDEMPOTENCY_REDIS_PREFIX": f"test-migr-{uuid.uuid4().hex[:8]}",
+    }
+    assert flask(empty_pg_database, "db", "upgrade", BEFORE_SECRET).returncode == 0
+    before = flask(empty_pg_database, "idempotency", "check", env_extra=with_redis)
+    assert before.returncode == 1, before.stdout + before.stderr
+    assert "secret" in before.stderr and "Traceback" not in before.stderr
+
+    upgraded = flask(empty_pg_database, "db", "upgrade")
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert secrets_in(empty_pg_database) == [None]  # added empty: no SQL draws it
+    checked = flask(empty_pg_database, "idempotency", "check", env_extra=with_redis)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    (secret,) = secrets_in(empty_pg_database)  # the first reader (the origin's) filled it
+    assert secret is not None and len(secret) == 64 and int(secret, 16) >= 0
+    assert secret not in checked.stdout + checked.stderr
+    assert flask(empty_pg_database, "db", "check").returncode == 0
+
+
+def secrets_in(database_url: str) -> list[str | None]:
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            return list(conn.scalars(text("SELECT secret FROM idempotency_keys_store")))
+    finally:
+        engine.dispose()

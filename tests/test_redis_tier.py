@@ -25,7 +25,7 @@ import redis
 from flask import jsonify, request
 
 from flask_idempotency import idempotent, signals
-from flask_idempotency.cache.codec import ReplayHeaders, decode_value, encode_value
+from flask_idempotency.cache.codec import ReplayHeaders
 from flask_idempotency.cache.outage import Outage, report_failure
 from flask_idempotency.fingerprint import ANONYMOUS_SCOPE, key_digest
 from flask_idempotency.notify import PollSchedule, WakeupHub, listener
@@ -132,12 +132,11 @@ def assert_expires_with(expire_at_ms: int, row: Any) -> None:
 
 
 def cached_json(raw: bytes) -> Any:
-    """The record part of a cached value (after the origin line, C41), as a dict."""
-    origin, _, body = raw.partition(b"\n")
-    assert len(origin) == 16
-    record = decode_value(body, ANY_STORED)
-    assert record is not None, body
-    return {"v": int(body[:1]), "fp": record.fingerprint, "exp": record.expires_at_ms}
+    """The fields of a cached value as a dict: its format version (``3``: sealed with a
+    MAC, C60), fingerprint and expiry (after the origin line, C41)."""
+    origin, version, mac, fingerprint, expires, *_ = raw.split(b"\n")
+    assert len(origin) == 16 and len(mac) == 44
+    return {"v": int(version), "fp": fingerprint.decode(), "exp": int(expires)}
 
 
 #: Every header these tests' apps store, for a look at what the cache holds.
@@ -270,7 +269,7 @@ def test_corrupt_or_foreign_cache_values_are_ignored(make_app, server):
             again = post(env)
         assert again.status_code == 201 and again.data == first.data
         assert sources == ["database"]
-        assert cached_json(client.get(name))["v"] == 2  # read-through repaired it
+        assert cached_json(client.get(name))["v"] == 3  # read-through repaired it
     assert env.calls == [1]
 
 
@@ -760,9 +759,9 @@ def test_i22_3_c53_the_time_a_copy_may_live_is_read_after_encoding(server, monke
     tier = RedisTier(client)
     encode = cache_redis.encode_value
 
-    def slow_encode(record: Completed) -> bytes:
+    def slow_encode(record: Completed, **where: Any) -> bytes:
         time.sleep(0.3)
-        return encode(record)
+        return encode(record, **where)
 
     monkeypatch.setattr(cache_redis, "encode_value", slow_encode)
     called = time.monotonic()
@@ -804,10 +803,13 @@ def test_i22_3_c53_a_set_slower_than_the_margin_gets_its_expiry_set_again(server
 # -- issue 26 item 7: cached values are checked before they are replayed (C22) ----------
 
 
-def _planted(raw: bytes, **changes: Any) -> bytes:
-    """The cached value ``raw`` with its response changed (status, headers)."""
-    origin, _, body = raw.partition(b"\n")
-    record = decode_value(body, ANY_STORED)
+def _planted(env: SimpleNamespace, client: Any, **changes: Any) -> bytes:
+    """The cached value of ``digest_of()`` with its response changed (status, headers),
+    sealed with the app's own MAC: a value only the app's store could have written
+    (C60), which must still pass C22's checks to be replayed."""
+    cache = env.tier
+    name = cache.record_name(digest_of())
+    record = cache._decode(client.get(name), digest_of())
     assert record is not None
     response = record.response
     planted = StoredResponse(
@@ -816,9 +818,7 @@ def _planted(raw: bytes, **changes: Any) -> bytes:
         response.body,
         response.body_omitted,
     )
-    return (
-        origin + b"\n" + encode_value(Completed(record.fingerprint, record.expires_at_ms, planted))
-    )
+    return bytes(cache._encode(name, Completed(record.fingerprint, record.expires_at_ms, planted)))
 
 
 @pytest.mark.parametrize(
@@ -845,7 +845,7 @@ def test_i26_7_c22_a_cached_value_that_is_not_safe_to_replay_is_a_miss(
     env = build(make_app, client)
     first = post(env)
     name = env.tier.record_name(digest_of())
-    client.set(name, _planted(client.get(name), **change))
+    client.set(name, _planted(env, client, **change))
     caplog.set_level(logging.WARNING, logger="flask_idempotency")
     with replay_sources(env) as sources:
         again = post(env)
@@ -869,7 +869,7 @@ def test_i26_7_c22_unsafe_cached_values_are_logged_once_not_per_read(make_app, s
     env = build(make_app, client)
     post(env)
     name = env.tier.record_name(digest_of())
-    planted = _planted(client.get(name), status=0)
+    planted = _planted(env, client, status=0)
     caplog.set_level(logging.WARNING, logger="flask_idempotency")
     for _ in range(20):
         client.set(name, planted)
@@ -892,9 +892,7 @@ def test_i26_7_c22_a_cached_value_with_an_allow_listed_header_of_the_app_replays
         return "ok", 201, {"X-Request-Cost": "3", "Content-Encoding": "identity"}
 
     first = env.app.test_client().post("/costly", headers={"Idempotency-Key": RAW_KEY})
-    stored = decode_value(
-        client.get(env.tier.record_name(digest_of())).partition(b"\n")[2], ANY_STORED
-    )
+    stored = env.tier._decode(client.get(env.tier.record_name(digest_of())), digest_of())
     assert stored is not None
     assert {name for name, _ in stored.response.headers} == {
         "Content-Type",

@@ -269,11 +269,13 @@ def test_i26_6_c41_create_table_writes_one_identity_and_it_is_kept(make_app: Any
     app, _ = make_app()
     store = app.extensions["idempotency"].store
     (row,) = identity_rows(store)
-    singleton, store_id, created_at_ms = row
+    singleton, store_id, created_at_ms, secret = row
     assert singleton == 1 and len(store_id) == 32 and created_at_ms > 0
+    assert len(secret) == 64 and secret != store_id  # 256 random bits, its own (C60)
     store.create_table()
     assert identity_rows(store) == [row]
     assert store.identity().id == store_id
+    assert store.identity().secret == secret.encode()
     assert store_origin(store_id, store.table.fullname) != store_origin(
         store_id, store.table.fullname + "_other"
     )

@@ -30,7 +30,7 @@ class _ShardedCache(Protocol):
     def record_name(self, key_digest: str) -> str: ...
 
     def _encoded_with_ttl(
-        self, record: Completed, ttl_ms: int, called: float
+        self, name: str, record: Completed, ttl_ms: int, called: float
     ) -> tuple[bytes, int, float]: ...
 
     def _expire_again_if_late(self, name: str, px: int, read_at: float) -> None: ...
@@ -67,7 +67,7 @@ def promote_and_publish_on_shard(
         return False
     name = cache.record_name(key_digest)
     try:
-        value, px, read_at = cache._encoded_with_ttl(record, ttl_ms, called)
+        value, px, read_at = cache._encoded_with_ttl(name, record, ttl_ms, called)
         if px <= 0:
             return False  # nothing to cache: the wake-up goes alone
         done = together(

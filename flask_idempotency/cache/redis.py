@@ -2,11 +2,13 @@
 
 Redis is never the source of truth (C22). It holds only completed records, under
 ``{prefix}:{origin}:{<digest>}`` (:mod:`.codec`); each cached value also names its
-origin and is checked on read. A copy expires after the time the durable record has
-left by the *database's* clock (``PX``, C42): neither the app host's clock nor
-Redis's has to agree with it. That time is read after the value is encoded, less
-:data:`EXPIRY_MARGIN_MS` for the trip to Redis, and read again if the ``SET`` took
-longer than the margin to answer: a copy never outlives its record (C53). Absence
+origin and carries a MAC under the store's own secret (C60), both checked on read
+before anything else: a value that fails them is a miss, served from the database.
+A copy expires after the time the durable record has left by the *database's*
+clock (``PX``, C42): neither the app host's clock nor Redis's has to agree with it.
+That time is read after the value is encoded, less :data:`EXPIRY_MARGIN_MS` for the
+trip to Redis, and read again if the ``SET`` took longer than the margin to answer:
+a copy never outlives its record (C53). Absence
 and in-progress state are never cached: a miss always falls through to the durable
 store. Completion promotes the record and, in the same round trip, asks whether a
 waiter wants its wake-up (:mod:`..notify`). A value read back is replayed only if
@@ -20,6 +22,7 @@ reads through the pre-packed fast path of :mod:`flask_idempotency._wire.redis`.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,9 +36,12 @@ from ..records import Completed
 from ..responses import BODY_HEADERS
 from .cluster import promote_and_publish_on_shard
 from .codec import (
+    ForeignOrigin,
     Origin,
     ReplayHeaders,
+    Unauthenticated,
     UnsafeValue,
+    ValueMac,
     decode_value,
     encode_value,
     names_prefix,
@@ -49,6 +55,9 @@ log = logging.getLogger("flask_idempotency")
 #: the trip to Redis), during which ``PX`` has not started counting. A ``SET`` that took
 #: longer than this to answer may have started late: its expiry is set again (C53).
 EXPIRY_MARGIN_MS = 50
+#: The secret of a cache built without the store's (tools, tests that build a tier by
+#: hand): drawn per process, so what it writes is readable by this process alone.
+_PROCESS_SECRET = secrets.token_bytes(32)
 
 
 class RedisCache:
@@ -57,7 +66,10 @@ class RedisCache:
     Only single-key commands, each on a hash-tagged key: the same code runs on a
     cluster, where a record's key lives in its digest's slot. ``replay_headers``: the
     app's ``IDEMPOTENCY_REPLAY_HEADERS`` (the defaults if not given); a cached value
-    with any other header is not replayed (C22).
+    with any other header is not replayed (C22). ``secret``: the store's secret, or how
+    to read it (with the origin, from the store's identity); every value is sealed
+    and checked with a MAC under a key derived from it (C60). Without one, a secret
+    drawn for this process (tools and tests that build a cache by hand).
     """
 
     def __init__(
@@ -69,13 +81,17 @@ class RedisCache:
         outage: Outage | None = None,
         shards: ShardOutages | None = None,
         replay_headers: Iterable[str] | None = None,
+        secret: bytes | Callable[[], bytes] | None = None,
     ) -> None:
         self._client = client
         self.prefix = prefix
         self._origin = Origin(origin)
         self.outage = outage or Outage()
         self._shards = shards
+        self._secret = _PROCESS_SECRET if secret is None else secret
+        self._mac: ValueMac | None = None
         self._foreign_logged = False
+        self._unauthenticated_logged = False
         #: What a cached value's headers may be: what the app stores (C22).
         allowed = Settings.replay_headers if replay_headers is None else replay_headers
         self._replay_headers = ReplayHeaders({*allowed, *BODY_HEADERS})
@@ -104,8 +120,24 @@ class RedisCache:
             head = self._name_head = f"{names_prefix(self.prefix, self.origin)}:{{"
         return head + key_digest + "}"
 
-    def _encode(self, record: Completed) -> bytes:
-        return self._origin_ascii() + b"\n" + encode_value(record)
+    def __repr__(self) -> str:
+        # Never the client (its URL) nor the secret (C61): the names it uses.
+        origin = self._origin_bytes.decode("ascii") if self._origin_bytes else "(not read yet)"
+        return f"<RedisCache prefix={self.prefix!r} origin={origin}>"
+
+    def _value_mac(self) -> ValueMac:
+        """The MAC of this store's values, keyed once per process from the store's secret
+        (read with the origin, in the same identity read)."""
+        mac = self._mac
+        if mac is None:
+            secret = self._secret
+            mac = self._mac = ValueMac(secret if isinstance(secret, bytes) else secret())
+        return mac
+
+    def _encode(self, name: str, record: Completed) -> bytes:
+        return encode_value(
+            record, origin=self._origin_ascii(), name=name.encode("utf-8"), mac=self._value_mac()
+        )
 
     def _origin_ascii(self) -> bytes:
         """The origin as the first line of every cached value, encoded once."""
@@ -115,12 +147,12 @@ class RedisCache:
         return ours
 
     def _encoded_with_ttl(
-        self, record: Completed, ttl_ms: int, called: float
+        self, name: str, record: Completed, ttl_ms: int, called: float
     ) -> tuple[bytes, int, float]:
-        """The cached value, then the ``PX`` it may have: ``ttl_ms`` (what the record had
-        left at ``called``) less the time encoding took and :data:`EXPIRY_MARGIN_MS`,
-        and the moment that was read (C53)."""
-        value = self._encode(record)
+        """The cached value under ``name``, then the ``PX`` it may have: ``ttl_ms`` (what
+        the record had left at ``called``) less the time encoding took and
+        :data:`EXPIRY_MARGIN_MS`, and the moment that was read (C53)."""
+        value = self._encode(name, record)
         now = time.monotonic()
         return value, ttl_ms - int((now - called) * 1000) - EXPIRY_MARGIN_MS, now
 
@@ -136,26 +168,42 @@ class RedisCache:
     def _decode(self, raw: bytes | str, key_digest: str) -> Completed | None:
         if isinstance(raw, str):
             raw = raw.encode("utf-8")
-        origin, sep, body = raw.partition(b"\n")
-        if not sep:
-            return None  # an older format, or not ours: a miss
-        ours = self._origin_ascii()
-        if origin != ours:
+        try:
+            return decode_value(
+                raw,
+                origin=self._origin_ascii(),
+                name=self.record_name(key_digest).encode("utf-8"),
+                mac=self._value_mac(),
+                headers=self._replay_headers,
+            )
+        except Unauthenticated as exc:
+            # Written or altered by something without the store's secret (another service
+            # sharing the Redis), moved from another key, or from an earlier release: a
+            # miss, so the answer comes from the database and the read-through repairs it.
+            if not self._unauthenticated_logged:
+                self._unauthenticated_logged = True
+                log.warning(
+                    "idempotency: a cached record under %s is not this store's (%s); ignored,"
+                    " read from the database. A value in Redis is replayed only with the MAC"
+                    " this store's secret gives it (C60). (Said once per process.)",
+                    key_digest[:16],
+                    exc,
+                )
+            return None
+        except ForeignOrigin as exc:
             if not self._foreign_logged:
                 self._foreign_logged = True
                 log.warning(
                     "idempotency: a cached record under %s was written by another store"
                     " (origin %s, not %s); ignored. Do two services share one Redis prefix?",
                     key_digest[:16],
-                    origin[:16].decode("ascii", "replace"),
+                    exc,
                     self.origin,
                 )
             return None
-        try:
-            return decode_value(body, self._replay_headers)
         except UnsafeValue as exc:
-            # Written by hand or by something else (this code never stores such a value):
-            # a miss, so the replay comes from the database and the read-through repairs it.
+            # Authentic, but not replayable by this app's settings now (a header taken off
+            # the allow-list since): a miss, and the read-through repairs it.
             self._unsafe_log.warning(
                 "idempotency: a cached record under %s is not safe to replay (%s); ignored,"
                 " read from the database",
@@ -210,10 +258,10 @@ class RedisCache:
         if ttl_ms <= EXPIRY_MARGIN_MS or not self.outage_for(key_digest).allows():
             return
         try:
-            value, px, read_at = self._encoded_with_ttl(record, ttl_ms, called)
+            name = self.record_name(key_digest)
+            value, px, read_at = self._encoded_with_ttl(name, record, ttl_ms, called)
             if px <= 0:
                 return
-            name = self.record_name(key_digest)
             self._client.set(name, value, px=px)
             self._expire_again_if_late(name, px, read_at)
         except Exception as exc:
@@ -250,7 +298,7 @@ class RedisCache:
         waiting = notifier.waiting_name(key_digest)
         name = self.record_name(key_digest)
         try:
-            value, px, read_at = self._encoded_with_ttl(record, ttl_ms, called)
+            value, px, read_at = self._encoded_with_ttl(name, record, ttl_ms, called)
             if self._reader is not None:
                 self._reader.set_and_wake(
                     name,

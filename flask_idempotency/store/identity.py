@@ -17,6 +17,14 @@ and names everything under the digest of (id, table) (:func:`flask_idempotency.t
 A copy of a database (a restored dump, a cloned volume) carries the same id and is the
 same store to Redis until its row is deleted (the next process writes a new one):
 docs/operations.md says when to.
+
+The row also holds the store's ``secret`` (issue 34, C60): 256 random bits that never
+leave the database (no log, URL or Redis value holds them). Keys derived from it
+authenticate every value the Redis tier writes, so a client that shares only the Redis
+cannot forge a cached answer, and key the default scope's HMAC of ``Authorization``
+when the app sets no secret of its own (C63). It is written with the row, read in the
+same read; a row written before the column existed gets one from the first process
+that reads it (racing writers agree: only a ``NULL`` is ever replaced).
 """
 
 from __future__ import annotations
@@ -38,7 +46,10 @@ from sqlalchemy import (
     Table,
     event,
     insert,
+    inspect,
     select,
+    text,
+    update,
 )
 
 from .clock import db_now_ms
@@ -56,10 +67,12 @@ _tables_lock = threading.Lock()
 
 @dataclasses.dataclass(frozen=True)
 class StoreIdentity:
-    """What the database says this store is: its random id and when it was written."""
+    """What the database says this store is: its random id, when it was written, and its
+    secret (never shown: not in a repr, a log line or the CLI's output, C61)."""
 
     id: str
     created_at_ms: int
+    secret: bytes = dataclasses.field(default=b"", repr=False, compare=False)
 
 
 class IdentityMissing(StoreMisconfigured):
@@ -97,6 +110,12 @@ def _define(metadata: MetaData, name: str) -> Table:
         Column("singleton", Integer, primary_key=True, autoincrement=False),
         Column("id", String(32), nullable=False, comment="random; names the store in Redis"),
         Column("created_at_ms", BigInteger, nullable=False),
+        Column(
+            "secret",
+            String(64),
+            nullable=True,  # a row written before the column: filled by the first reader
+            comment="random; keys the MAC of cached values; never leaves the database",
+        ),
         CheckConstraint(f"singleton = {SINGLETON}", name=f"ck_{name}_singleton"),
         comment="Flask-Idempotency: this store's identity (one row), which names its"
         " records in a shared Redis.",
@@ -117,33 +136,80 @@ def new_store_id() -> str:
     return secrets.token_hex(16)
 
 
+def new_store_secret() -> str:
+    """256 random bits in hex: the store's secret (C60)."""
+    return secrets.token_hex(32)
+
+
 def write_statement(table: Table) -> Any:
-    """The insert of the one row, with a fresh id; fails on the key if the row exists."""
-    return insert(table).values(singleton=SINGLETON, id=new_store_id(), created_at_ms=db_now_ms())
+    """The insert of the one row, with a fresh id and secret; fails on the key if the row
+    exists."""
+    return insert(table).values(
+        singleton=SINGLETON, id=new_store_id(), created_at_ms=db_now_ms(), secret=new_store_secret()
+    )
+
+
+def fill_secret_statement(table: Table) -> Any:
+    """The row's secret where it has none (a row written before the column existed). Only
+    a ``NULL`` is replaced, so of racing writers one wins and all read the winner's."""
+    return (
+        update(table)
+        .where(table.c.singleton == SINGLETON, table.c.secret.is_(None))
+        .values(secret=new_store_secret())
+    )
 
 
 def read_identity(conn: Connection, table: Table) -> StoreIdentity | None:
-    """The row, or ``None`` when the table is empty."""
+    """The row, or ``None`` when the table is empty. Its ``secret`` is ``b""`` while the
+    row has none (:func:`fill_secret_statement`)."""
     row = conn.execute(
-        select(table.c.id, table.c.created_at_ms).where(table.c.singleton == SINGLETON)
+        select(table.c.id, table.c.created_at_ms, table.c.secret).where(
+            table.c.singleton == SINGLETON
+        )
     ).first()
-    return None if row is None else StoreIdentity(str(row.id), int(row.created_at_ms))
+    if row is None:
+        return None
+    secret = b"" if row.secret is None else str(row.secret).encode("ascii")
+    return StoreIdentity(str(row.id), int(row.created_at_ms), secret)
+
+
+def add_secret_column(conn: Connection, table: Table) -> bool:
+    """Add the ``secret`` column to an identity table made before it existed; ``True`` if
+    it was added. Only where the app asked the extension to set its tables up
+    (``IDEMPOTENCY_CREATE_TABLE``, the embedded SQLite default, ``flask idempotency
+    create-table``): an app whose migrations own the table gets it from its migration."""
+    columns = {c["name"] for c in inspect(conn).get_columns(table.name, schema=table.schema)}
+    if "secret" in columns:
+        return False
+    preparer = conn.dialect.identifier_preparer
+    column_type = table.c.secret.type.compile(dialect=conn.dialect)
+    conn.execute(
+        text(
+            f"ALTER TABLE {preparer.format_table(table)}"
+            f" ADD COLUMN {preparer.quote('secret')} {column_type}"
+        )
+    )
+    return True
 
 
 def missing_help(table_name: str, *, migrations: bool, cause: str = "") -> str:
     """What :class:`IdentityMissing` says: the table, why it matters, and what to run."""
     name = identity_table_name(table_name)
     fix = (
-        "`flask db upgrade` (Flask-Migrate; when no revision of the app creates it yet,"
-        f' `flask db migrate -m "add {name} table"` first), or db.create_all()'
+        "`flask db upgrade` (Flask-Migrate; when no revision of the app creates it, or"
+        f' its secret column, yet: `flask db migrate -m "{name}"` first), or db.create_all()'
+        " for a new database"
         if migrations
         else "`flask idempotency create-table`"
     )
     because = f" ({cause})" if cause else ""
     return (
-        f"the table {name!r} that holds this store's identity is missing{because}."
-        " Without it the Redis tier cannot tell this store's cached records from another's,"
-        " so it stays off (no cache; waiting duplicates poll the database): requests are"
-        f" still protected by the database, only slower. Run {fix};"
-        " `flask idempotency check` shows the identity"
+        f"the table {name!r} that holds this store's identity and secret is missing, or"
+        f" lacks its 'secret' column (added by issue 34){because}. Without it the Redis tier"
+        " cannot tell this store's cached records from another's, nor check that a cached"
+        " value is its own, so it stays off (no cache; waiting duplicates poll the"
+        " database: requests are still protected, only slower); and with neither"
+        " IDEMPOTENCY_SCOPE_SECRET nor SECRET_KEY set, a request scoped by its"
+        f" Authorization header gets 503. Run {fix}; `flask idempotency check` shows the"
+        " identity"
     )

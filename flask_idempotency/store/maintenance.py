@@ -34,7 +34,7 @@ from ..records import COMPLETED, IN_PROGRESS
 from .clock import db_now_ms
 from .dialects import named
 from .errors import describe
-from .identity import StoreIdentity, read_identity
+from .identity import StoreIdentity, add_secret_column, read_identity
 from .sql import DurableStore
 
 T = TypeVar("T")
@@ -316,15 +316,22 @@ class Maintenance:
 
     # -- schema ---------------------------------------------------------------------------
 
-    def create_table(self) -> None:
+    def create_table(self) -> bool:
         """Create the table, its index and its identity (``<table>_store`` and its row),
-        whichever is missing; only ever on the operator's explicit request."""
+        whichever is missing, and the identity's ``secret`` column on a table made before
+        it (``True`` if that was added); only ever on the operator's explicit request."""
 
-        def create(conn: Connection) -> None:
+        def create(conn: Connection) -> bool:
             self.table.create(conn, checkfirst=True)
             self.identity_table.create(conn, checkfirst=True)  # writes the id (identity.py)
+            return add_secret_column(conn, self.identity_table)  # a table from before issue 34
 
-        self._run(create)
+        return self._run(create)
+
+    def add_secret_column(self) -> bool:
+        """Add the identity's ``secret`` column to a table made before issue 34 (C60);
+        ``True`` if it was missing."""
+        return self._run(lambda conn: add_secret_column(conn, self.identity_table))
 
     def create_ddl(self) -> str:
         """The ``CREATE TABLE`` and ``CREATE INDEX`` statements for this database.

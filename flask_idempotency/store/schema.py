@@ -23,6 +23,8 @@ from .identity import (
     IdentityMissing,
     IdentityUnavailable,
     StoreIdentity,
+    add_secret_column,
+    fill_secret_statement,
     identity_table,
     missing_help,
     read_identity,
@@ -64,15 +66,27 @@ class StoreSchema(StoreEngines):
         """Create the table and its identity if missing (tests, the embedded SQLite default)."""
         self.table.create(self.engine, checkfirst=True)
         self.identity_table.create(self.engine, checkfirst=True)  # writes the id (identity.py)
+        with self.engine.begin() as conn:
+            add_secret_column(conn, self.identity_table)
 
     def _create_if_missing(self, engine: Engine) -> None:
-        """The set-up's step (``IDEMPOTENCY_CREATE_TABLE``): the table, then its identity."""
+        """The set-up's step (``IDEMPOTENCY_CREATE_TABLE``): the table, then its identity
+        (and the identity's ``secret`` column, on a table made before it existed)."""
         super()._create_if_missing(engine)
         try:
             self.identity_table.create(engine, checkfirst=True)
         except SQLAlchemyError:
             table = self.identity_table
             if not inspect(engine).has_table(table.name, schema=table.schema):
+                raise
+        try:
+            with engine.begin() as conn:
+                add_secret_column(conn, self.identity_table)
+        except SQLAlchemyError:  # another process added it first
+            table = self.identity_table
+            with engine.connect() as conn:
+                columns = inspect(conn).get_columns(table.name, schema=table.schema)
+            if "secret" not in {c["name"] for c in columns}:
                 raise
 
     # -- identity -------------------------------------------------------------------
@@ -138,9 +152,16 @@ class StoreSchema(StoreEngines):
                 if not isinstance(exc.__cause__, IntegrityError):
                     raise  # (another process wrote it first: read theirs)
             found = self._run(read)
+        if found is not None and not found.secret:  # a row from before the secret (C60)
+            self._run(lambda conn: conn.execute(fill_secret_statement(table)))
+            found = self._run(read)
         if found is None:  # pragma: no cover - deleted again between the two statements
             raise StoreError(f"the row of {table.name!r} vanished while it was being written")
         return found
+
+    def __repr__(self) -> str:
+        # Its table, never its engine's URL or its identity's secret (C61).
+        return f"<{type(self).__name__} table={self.table.fullname!r}>"
 
     def verify_table(self) -> None:
         """Read every column once per process before the first claim, so that a missing
