@@ -28,7 +28,9 @@ def measure(kind: str, mode: str) -> dict[str, int]:
         capture_output=True,
         text=True,
         timeout=300,
-        check=True,
+    )
+    assert result.returncode == 0, (
+        f"{kind} {mode} exited {result.returncode}: {result.stderr[-3000:]}"
     )
     figures: dict[str, int] = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["status"] == 201, figures

@@ -59,13 +59,12 @@ def _spooled_files(tmpdir: str) -> tuple[int, int]:
     return count, size
 
 
-def measure(kind: str, mib: int, mode: str) -> dict[str, int]:
+def measure(kind: str, mib: int, mode: str, work: str) -> dict[str, int]:
     from flask import Flask, jsonify, request
     from werkzeug.test import EnvironBuilder
 
     from flask_idempotency import Idempotency, idempotent
 
-    work = tempfile.mkdtemp(prefix="body_copies_")
     spool_dir = os.path.join(work, "spool")
     os.mkdir(spool_dir)
     app = Flask("body_copies", instance_path=work)
@@ -131,14 +130,15 @@ def measure(kind: str, mib: int, mode: str) -> dict[str, int]:
 
 
 def main() -> None:
-    before = set(os.listdir(tempfile.gettempdir()))
+    # This run's own directory, removed by this run alone: measurements run side by side
+    # in a parallel suite, and one that swept every body_copies_* it had not seen before
+    # removed another's spool while it ran.
+    work = tempfile.mkdtemp(prefix="body_copies_")
     try:
-        print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), sys.argv[3])))
+        print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), sys.argv[3], work)))
     finally:
         tempfile.tempdir = None
-        for name in set(os.listdir(tempfile.gettempdir())) - before:
-            if name.startswith("body_copies_"):
-                shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
