@@ -81,13 +81,16 @@ def _add_pyenv_interpreters() -> None:
 _add_pyenv_interpreters()
 
 
+#: pytest on the suite's parallel workers, as ``make test`` runs it (tests/support/parallel.py).
+PYTEST = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4")
+
+
 def _pytest(session: nox.Session) -> None:
     if session.posargs:  # a chosen set of test files (CI's, see .ci/run) plus the smoke tests
-        session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
-        session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *SMOKE)
+        session.run(*PYTEST, *session.posargs, *SMOKE)  # one run: no marker filter
         return
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow")
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *SMOKE)
+    session.run(*PYTEST, "-m", "not slow")
+    session.run(*PYTEST, *SMOKE)  # marked slow: a run of their own
 
 
 @nox.session(python=OLDEST_PYTHON)
