@@ -68,11 +68,11 @@ system-deps:
 test: system-deps install
 	@$(PY) -c "import MySQLdb" 2>/dev/null || $(PIP) install --quiet 'mysqlclient >= 2.2' \
 	  || echo "make test: mysqlclient did not build (apt-get install libmariadb-dev pkg-config)"
-	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --max-worker-restart=0 $(PYTEST_ARGS)
 
 # The inner loop: no real server (no PostgreSQL, MariaDB or Redis server, nothing marked slow).
 test-fast: install
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow and not postgres and not mysql and not redis" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --max-worker-restart=0 -m "not slow and not postgres and not mysql and not redis" $(PYTEST_ARGS)
 
 # The fault-injection suite alone: gunicorn workers SIGKILLed, Redis and PostgreSQL cut
 # off behind loopback proxies (tests/chaos/); `make test` runs it too.

@@ -90,6 +90,14 @@ TOPOLOGY_FIXTURES = {
 }
 
 
+def shared_servers(item: pytest.Item) -> tuple[str, ...]:
+    """The server a test reaches through ``topology_url`` (asked for by name), so that the
+    tests of each topology run on one worker and it starts once (tests/support/parallel.py)."""
+    callspec = getattr(item, "callspec", None)
+    topology = callspec.params.get("topology_url") if callspec is not None else None
+    return (TOPOLOGY_FIXTURES[topology],) if topology is not None else ()
+
+
 @pytest.fixture(params=list(TOPOLOGY_FIXTURES))
 def topology_url(request: pytest.FixtureRequest) -> str:
     """The ``IDEMPOTENCY_REDIS_URL`` of each topology (Redis 7, and Redis 6 without

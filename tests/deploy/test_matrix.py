@@ -45,9 +45,12 @@ from tests.support.pgbouncer import PgBouncer
 from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis, pytest.mark.heavy]
-#: Requested by name in each cell: one worker runs every cell (tests/support/parallel.py),
-#: so they share one PgBouncer and one Redis, and the report at the end gathers them all.
-SHARED_SERVERS = ("pgbouncer", "matrix_redis")
+
+
+def shared_servers(item: pytest.Item) -> tuple[str, ...]:
+    """Requested by name in each cell: one worker runs every cell (tests/support/parallel.py),
+    so they share one PgBouncer and one Redis, and the report at the end gathers them all."""
+    return ("pgbouncer", "matrix_redis")
 
 KEYS = 6
 DUPLICATES = 5

@@ -78,12 +78,14 @@ _GROUP = pytest.StashKey[str]()
 
 def _shared_servers(item: pytest.Item) -> list[str]:
     """The shared-server fixtures ``item`` uses, each named with where it is defined
-    (two modules may each define a ``server``). A module that requests one by name at
-    run time (``request.getfixturevalue``) lists it in ``SHARED_SERVERS``."""
+    (two modules may each define a ``server``). A module whose tests request one by name
+    at run time (``request.getfixturevalue``) says which with a function
+    ``shared_servers(item)`` returning their names."""
     manager = item.session._fixturemanager
-    wanted = set(getattr(item, "fixturenames", ())) | set(
-        getattr(getattr(item, "module", None), "SHARED_SERVERS", ())
-    )
+    wanted = set(getattr(item, "fixturenames", ()))
+    asked_by_name = getattr(getattr(item, "module", None), "shared_servers", None)
+    if asked_by_name is not None:
+        wanted |= set(asked_by_name(item))
     names = []
     for name in sorted(wanted & SHARED_SERVER_FIXTURES):
         definitions = manager.getfixturedefs(name, item)
