@@ -52,6 +52,7 @@ def shared_servers(item: pytest.Item) -> tuple[str, ...]:
     so they share one PgBouncer and one Redis, and the report at the end gathers them all."""
     return ("pgbouncer", "matrix_redis")
 
+
 KEYS = 6
 DUPLICATES = 5
 ORIGINAL_SLEEP = 0.5
