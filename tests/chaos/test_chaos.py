@@ -224,9 +224,13 @@ def kill_workers(
 
     Always leaves a worker alive, so the load keeps flowing; gunicorn forks replacements.
     """
-    for _ in range(count):
+    while len(kills) < count:  # a victim gone by the time of its kill is not counted
         time.sleep(rng.uniform(0.1, 0.5))
-        live = server.wait_for_workers(count=2, within=EVENTUALLY)
+        live = [
+            pid for pid in server.wait_for_workers(count=2, within=EVENTUALLY) if pid not in kills
+        ]
+        if not live:
+            continue
         busy = [pid for pid in unsettled_run_pids(rig) if pid in live]
         victim = rng.choice(busy) if busy and rng.random() < 0.5 else rng.choice(live)
         try:
