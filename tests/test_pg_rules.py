@@ -489,3 +489,33 @@ def test_c10_pg_parked_requests_hold_no_connection(make_pg_app, pg_url) -> None:
         assert calls == ["pay"]
     finally:
         engine.dispose()
+
+
+def test_c13_pg_a_lease_renewed_between_the_read_and_the_takeover_is_not_taken(
+    make_server_app, monkeypatch
+) -> None:
+    """The takeover's UPDATE checks the lease itself, not only the read before it: an owner
+    whose renewal lands between a duplicate's read (lease lapsed) and its UPDATE keeps its
+    key, though its token is unchanged (X-catalogue: the renewal race of C13/C44)."""
+    app, _ = make_server_app({"IDEMPOTENCY_WAIT": 0})
+    store = app.extensions["idempotency"].store
+    ident = identity_of(app, "/pay", {"a": 1})
+    owner = store.acquire(ident, ttl=3600, lease=0.05)
+    assert isinstance(owner, Claim)
+    wait_for_db_clock(app, rows(app)[0]["lease_expires_at_ms"])
+    read = store._claim_or_read
+    renewed: list[set[int]] = []
+
+    def read_then_the_owner_renews(*args: Any, **kwargs: Any) -> Any:
+        outcome = read(*args, **kwargs)
+        if not renewed and not isinstance(outcome, Claim):
+            assert outcome is not None and not outcome.lease_live  # the read saw it lapsed
+            renewed.append(store.renew([owner], 60))
+        return outcome
+
+    monkeypatch.setattr(store, "_claim_or_read", read_then_the_owner_renews)
+    duplicate = store.acquire(ident, ttl=3600, lease=60)
+    assert renewed == [{owner.record_id}], "the owner's renewal landed"
+    assert not isinstance(duplicate, Claim), f"a renewed lease was taken over: {duplicate}"
+    (row,) = rows(app)
+    assert row["lock_token"] == owner.lock_token and row["state"] == "in_progress"
