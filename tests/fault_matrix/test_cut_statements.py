@@ -1,0 +1,175 @@
+"""Store writes cut off by the statement deadline, on real servers (C58, C11).
+
+CONTRACT C58, C11, C25.
+
+Another session holds the records table locked (``LOCK TABLE … IN SHARE MODE`` on
+PostgreSQL, ``LOCK TABLES … READ`` on MariaDB) for longer than the store's statement
+deadline (shortened here). The claim waits for the lock; the request gets 503 at the
+deadline. What must not happen next: the claim, still queued on the server, commits
+once the lock goes, and every retry gets 409 ``request-in-progress`` for a whole lease
+though no view ever ran (C11: 409 means the original is still running). The cut claim
+is cancelled on the server, so the retry after the stall runs the view.
+
+One cell per driver: psycopg2, psycopg 3, MariaDB (PyMySQL), and both PostgreSQL
+drivers through a private PgBouncer in transaction mode.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from flask import jsonify
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
+
+from flask_idempotency import idempotent
+from flask_idempotency.records import COMPLETED
+from tests.conftest import driver_url, service_missing
+from tests.support.pgbouncer import PgBouncer, pgbouncer_binary
+from tests.test_lifecycle import KEY, rows
+
+pytestmark = pytest.mark.postgres
+
+#: The store's statement deadline in these tests (5 s in production).
+DEADLINE = 0.5
+#: The longest the lock is held if a request never answers while it is (the defect).
+HOLD_AT_MOST = 4.0
+
+CELLS = ["psycopg2", "psycopg3", "mariadb", "psycopg2-pgbouncer", "psycopg3-pgbouncer"]
+
+
+class Cell:
+    """One database and driver: the store's URL and a direct URL for the lock holder."""
+
+    def __init__(self, name: str, url: URL, direct: URL, make: Any) -> None:
+        self.name, self.url, self.direct, self.make = name, url, direct, make
+
+    @property
+    def mariadb(self) -> bool:
+        return self.name == "mariadb"
+
+
+@pytest.fixture(params=CELLS)
+def cell(request: Any) -> Iterator[Cell]:
+    name: str = request.param
+    bouncer: PgBouncer | None = None
+    if name == "mariadb":
+        direct: URL = request.getfixturevalue("mysql_url")
+        url = direct
+    else:
+        driver = "psycopg" if name.startswith("psycopg3") else "psycopg2"
+        direct = driver_url(request.getfixturevalue("pg_database"), driver)
+        url = direct
+        if name.endswith("pgbouncer"):
+            binary = pgbouncer_binary()
+            if binary is None:
+                service_missing(
+                    "pgbouncer", "the binary is not installed (apt-get install pgbouncer)"
+                )
+            bouncer = PgBouncer(
+                str(binary), str(direct.host or "127.0.0.1"), int(direct.port or 5432), pool_size=4
+            ).start()
+            url = bouncer.route(direct)
+    make = request.getfixturevalue("make_app")
+    table = f"idem_{uuid.uuid4().hex[:12]}"
+    stores: list[Any] = []
+
+    def factory(config: dict[str, Any] | None = None) -> Any:
+        merged = {
+            "IDEMPOTENCY_DATABASE_URI": url.render_as_string(hide_password=False),
+            "IDEMPOTENCY_TABLE": table,
+            **(config or {}),
+        }
+        app, _ = make(merged)
+        store = app.extensions["idempotency"].store
+        store.statement_deadline = DEADLINE
+        stores.append(store)
+        return app
+
+    try:
+        yield Cell(name, url, direct, factory)
+    finally:
+        for store in stores[:1]:
+            for t in (store.table, store.identity_table):
+                t.drop(store.engine, checkfirst=True)
+        if bouncer is not None:
+            bouncer.stop()
+
+
+class TableLock(threading.Thread):
+    """Another database session that holds the records table locked until told (or
+    :data:`HOLD_AT_MOST` seconds), on a connection of its own."""
+
+    def __init__(self, cell: Cell, table: str) -> None:
+        super().__init__(daemon=True)
+        self.cell, self.table = cell, table
+        self.locked = threading.Event()
+        self.release = threading.Event()
+        self.released = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        engine = create_engine(self.cell.direct, poolclass=NullPool)
+        try:
+            with engine.connect() as conn:
+                if self.cell.mariadb:
+                    conn.exec_driver_sql(f"LOCK TABLES `{self.table}` READ")
+                else:
+                    conn.execute(text(f'LOCK TABLE "{self.table}" IN SHARE MODE'))
+                self.locked.set()
+                self.release.wait(HOLD_AT_MOST)
+                self.released.set()
+                if self.cell.mariadb:
+                    conn.exec_driver_sql("UNLOCK TABLES")
+                conn.rollback()
+        except BaseException as exc:  # shown by the test
+            self.error = exc
+            self.locked.set()
+        finally:
+            self.released.set()
+            engine.dispose()
+
+
+def counting_app(cell: Cell) -> tuple[Any, list[int]]:
+    app = cell.make({"IDEMPOTENCY_WAIT": 0.3, "IDEMPOTENCY_LEASE": 20})
+    calls: list[int] = []
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        calls.append(1)
+        return jsonify(n=len(calls)), 201
+
+    return app, calls
+
+
+def test_c58_c11_a_claim_cut_by_the_deadline_never_blocks_its_key(cell: Cell) -> None:
+    """C58/C11: the claim waits on a table lock past the deadline; the request answers
+    503 while the lock is still held, and once the lock is gone the retry runs the view
+    (no 409 for a view that never ran: the cut claim was cancelled on the server)."""
+    app, calls = counting_app(cell)
+    client = app.test_client()
+    store = app.extensions["idempotency"].store
+    lock = TableLock(cell, store.table.name)
+    lock.start()
+    assert lock.locked.wait(10) and lock.error is None, lock.error
+    first = client.post("/pay", json={"a": 1}, headers=KEY)
+    answered_while_locked = not lock.released.is_set()
+    lock.release.set()
+    lock.join(10)
+    assert lock.error is None, lock.error
+    assert answered_while_locked, (
+        f"the request waited for the lock ({first.status_code}) past its {DEADLINE} s deadline"
+    )
+    assert first.status_code == 503, first.get_data(as_text=True)
+    assert first.headers.get("Retry-After")
+    assert calls == []
+    second = client.post("/pay", json={"a": 1}, headers=KEY)
+    assert second.status_code == 201, (second.status_code, second.get_data(as_text=True))
+    assert calls == [1]
+    assert [r["state"] for r in rows(app)] == [COMPLETED]
