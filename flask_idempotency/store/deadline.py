@@ -12,10 +12,10 @@ is what does not answer.
 So each statement of the store, with its COMMIT, runs under a deadline
 (:data:`STATEMENT_DEADLINE`): one watchdog thread per process sleeps until the
 earliest deadline of the statements under way. At a statement's deadline it first
-asks the server to cancel it, by the driver's own means (``connection.cancel()``,
-psycopg 3's ``cancel_safe()``; sent on a connection of its own, which PgBouncer
-forwards to the server connection running it): a statement stuck behind a lock or a
-slow server then ends with ``query_canceled`` and was never applied, so a cut claim
+asks the server to cancel it, by the driver's own means (psycopg 3's ``cancel_safe()``,
+libpq's ``PQcancel`` for psycopg2, :func:`_libpq_cancel`; sent on a connection of its
+own, which PgBouncer forwards to the server connection running it): a statement
+stuck behind a lock or a slow server then ends with ``query_canceled`` and was never applied, so a cut claim
 cannot commit later and hold its key for a lease (C58), and the connection stays in
 the pool. Only if no answer comes within :func:`grace` more (a dead network, a frozen
 host: the cancel cannot reach the server either) does it shut down the statement's
@@ -47,12 +47,15 @@ about once per deadline while statements run, and sleeps while none does.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
 import socket
+import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .. import process
@@ -163,7 +166,7 @@ class Watchdog:
                         late.due = now + grace(late.seconds)
                         late.canceller = threading.Thread(
                             target=_cancel,
-                            args=(late.connection, grace(late.seconds)),
+                            args=(_canceller(late.connection, grace(late.seconds)),),
                             name="idempotency-cancel",
                             daemon=True,
                         )
@@ -182,16 +185,75 @@ class Watchdog:
                     )
 
 
-def _cancel(connection: Any, timeout: float) -> None:
-    """Ask the server to cancel what ``connection`` runs (psycopg 3's bounded
-    ``cancel_safe`` where there is one, else the driver's ``cancel``)."""
+def _canceller(connection: Any, timeout: float) -> Callable[[], None]:
+    """What asks the server to cancel the statement ``connection`` runs, prepared now
+    (under the watchdog's lock: the statement is still under way, so the connection is
+    open) and sent from a thread of its own (it may wait on a dead network)."""
+    cancel_safe = getattr(connection, "cancel_safe", None)
+    if cancel_safe is not None:  # psycopg 3: bounded by its own timeout
+        return lambda: cancel_safe(timeout=timeout)
+    pgconn = getattr(connection, "pgconn_ptr", None)
+    if isinstance(pgconn, int) and pgconn:  # psycopg2
+        return _libpq_cancel(connection, pgconn)
+    cancel = getattr(connection, "cancel", None)
+    return cancel if callable(cancel) else (lambda: None)
+
+
+def _libpq_cancel(connection: Any, pgconn: int) -> Callable[[], None]:
+    """psycopg2's cancel, sent with the interpreter lock released.
+
+    psycopg2's own ``connection.cancel()`` holds the GIL while libpq's ``PQcancel``
+    connects to the server: with the network silent, the whole process froze (every
+    thread, the watchdog's too) until TCP gave up. So the same libpq calls are made
+    through ctypes, which releases the GIL: ``PQgetCancel`` copies what the cancel
+    needs (no I/O; the connection may be closed afterwards), ``PQcancel`` sends it.
+    """
+    lib = _psycopg2_libpq(connection)
+    if lib is None:
+        return lambda: None
+    handle = lib.PQgetCancel(ctypes.c_void_p(pgconn))
+    if not handle:
+        return lambda: None
+
+    def send() -> None:
+        try:
+            errors = ctypes.create_string_buffer(256)
+            if not lib.PQcancel(handle, errors, len(errors)):
+                log.debug("idempotency: the cancel was not sent: %s", errors.value)
+        finally:
+            lib.PQfreeCancel(handle)
+
+    return send
+
+
+_libpq: list[Any] = []
+
+
+def _psycopg2_libpq(connection: Any) -> Any:
+    """The libpq psycopg2 is linked against (its extension module's symbols resolve to
+    it), with the three functions' signatures; ``None`` when it cannot be loaded."""
+    if not _libpq:
+        try:
+            module = sys.modules[type(connection).__module__]
+            lib = ctypes.CDLL(module.__file__)
+            lib.PQgetCancel.argtypes = [ctypes.c_void_p]
+            lib.PQgetCancel.restype = ctypes.c_void_p
+            lib.PQcancel.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+            lib.PQcancel.restype = ctypes.c_int
+            lib.PQfreeCancel.argtypes = [ctypes.c_void_p]
+            lib.PQfreeCancel.restype = None
+        except Exception as exc:  # then only the socket's shutdown is left
+            log.debug("idempotency: libpq's cancel is not reachable: %s", exc)
+            lib = None
+        _libpq.append(lib)
+    return _libpq[0]
+
+
+def _cancel(send: Callable[[], None]) -> None:
+    """Send a prepared cancel; a failure leaves the socket's shutdown to the watchdog."""
     try:
-        cancel_safe = getattr(connection, "cancel_safe", None)
-        if cancel_safe is not None:
-            cancel_safe(timeout=timeout)
-        else:
-            connection.cancel()
-    except Exception as exc:  # the socket is shut down when no answer follows
+        send()
+    except Exception as exc:
         log.debug("idempotency: could not cancel a late statement: %s", exc)
 
 

@@ -45,6 +45,12 @@ from .errors import (
 
 T = TypeVar("T")
 
+
+class Unanswered(StoreError):
+    """A statement whose reply never came: not even a cancel was answered and its socket
+    was shut down (:attr:`.deadline.Deadline.cut`). It may still have been applied (C58)."""
+
+
 #: Attempts of one statement, and of one claim, before the store gives up (C26).
 ATTEMPTS = 4
 
@@ -245,7 +251,7 @@ class StoreEngines:
                 return once()
             except DBAPIError as exc:
                 if deadline is not None and deadline.fired:
-                    raise StoreError(timed_out(deadline, exc)) from exc
+                    raise _cut_off(deadline, exc) from exc
                 if is_schema_error(exc):
                     raise StoreMisconfigured(self._schema_help(exc)) from exc
                 if lock_wait_is_final and is_lock_unavailable(exc):
@@ -259,7 +265,7 @@ class StoreEngines:
                 time.sleep(random.uniform(0.005, 0.02) * (attempt + 1))
             except SQLAlchemyError as exc:
                 if deadline is not None and deadline.fired:
-                    raise StoreError(timed_out(deadline, exc)) from exc
+                    raise _cut_off(deadline, exc) from exc
                 raise StoreError(describe(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -344,6 +350,13 @@ def _limit_statements(conn: Connection, seconds: float) -> None:
     except Exception:  # a dead connection: the statement that follows reports it
         return
     info[_STATEMENT_LIMIT] = seconds
+
+
+def _cut_off(deadline: Deadline, exc: BaseException) -> StoreError:
+    """The error for a statement its deadline ended: :class:`Unanswered` when not even its
+    cancel was answered (it may have been applied), else a plain outage (cancelled on
+    the server: not applied)."""
+    return (Unanswered if deadline.cut else StoreError)(timed_out(deadline, exc))
 
 
 def timed_out(deadline: Deadline, exc: BaseException) -> str:

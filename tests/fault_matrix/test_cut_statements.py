@@ -27,11 +27,14 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
-from flask_idempotency import idempotent
+from flask_idempotency import idempotent, signals
 from flask_idempotency.records import COMPLETED
 from tests.conftest import driver_url, service_missing
 from tests.support.pgbouncer import PgBouncer, pgbouncer_binary
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.waiting import wait_until
 from tests.test_lifecycle import KEY, rows
+from tests.test_pg_rules import record_signal
 
 pytestmark = pytest.mark.postgres
 
@@ -173,3 +176,106 @@ def test_c58_c11_a_claim_cut_by_the_deadline_never_blocks_its_key(cell: Cell) ->
     assert second.status_code == 201, (second.status_code, second.get_data(as_text=True))
     assert calls == [1]
     assert [r["state"] for r in rows(app)] == [COMPLETED]
+
+
+# -- no reply at all: the claim may commit later, and is undone by a kept release ---------
+
+
+@pytest.fixture(params=["psycopg2", "psycopg"], ids=["psycopg2", "psycopg3"])
+def proxied_cell(request: Any) -> Iterator[tuple[Cell, TcpProxy]]:
+    """PostgreSQL through a loopback proxy that can stop forwarding (a dead network)."""
+    direct = driver_url(request.getfixturevalue("pg_database"), request.param)
+    proxy = TcpProxy(direct.host or "127.0.0.1", direct.port or 5432).start()
+    routed = direct.set(host="127.0.0.1", port=proxy.port)
+    make = request.getfixturevalue("make_app")
+    table = f"idem_{uuid.uuid4().hex[:12]}"
+    stores: list[Any] = []
+
+    def factory(config: dict[str, Any] | None = None) -> Any:
+        merged = {
+            "IDEMPOTENCY_DATABASE_URI": routed.render_as_string(hide_password=False),
+            "IDEMPOTENCY_TABLE": table,
+            **(config or {}),
+        }
+        app, _ = make(merged)
+        store = app.extensions["idempotency"].store
+        store.statement_deadline = DEADLINE
+        stores.append(store)
+        return app
+
+    try:
+        yield Cell(str(request.param), routed, direct, factory), proxy
+    finally:
+        proxy.restore()
+        for store in stores[:1]:
+            with create_engine(direct, poolclass=NullPool).connect() as conn:
+                for t in (store.table, store.identity_table):
+                    conn.execute(text(f'DROP TABLE IF EXISTS "{t.name}"'))
+                conn.commit()
+        proxy.stop()
+
+
+def _waiting_on(direct: URL, table: str) -> bool:
+    """Whether a statement waits for a lock on ``table`` (the claim, queued)."""
+    engine = create_engine(direct, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            sql = (
+                "SELECT count(*) FROM pg_locks"
+                " WHERE relation = CAST(:t AS regclass) AND NOT granted"
+            )
+            return bool(conn.execute(text(sql), {"t": table}).scalar())
+    finally:
+        engine.dispose()
+
+
+def test_c58_a_claim_with_no_reply_that_commits_later_is_released_by_a_kept_release(
+    proxied_cell: tuple[Cell, TcpProxy],
+) -> None:
+    """C58/C11: the claim waits on a table lock, then the network goes silent: not even
+    the cancel reaches the server, the request answers 503, and the claim commits on
+    the server once the lock goes, under a token nobody holds. The fenced release kept
+    for it (by key and that token) lands when the network is back, and the retry runs
+    the view instead of getting 409 for a lease."""
+    cell, proxy = proxied_cell
+    app, calls = counting_app(cell)
+    store = app.extensions["idempotency"].store
+    landed = record_signal(app, signals.settlement_deferred)
+    lock = TableLock(cell, store.table.name)
+    lock.start()
+    assert lock.locked.wait(10) and lock.error is None, lock.error
+    answers: list[Any] = []
+    request = threading.Thread(
+        target=lambda: answers.append(app.test_client().post("/pay", json={"a": 1}, headers=KEY))
+    )
+    request.start()
+    wait_until(lambda: _waiting_on(cell.direct, store.table.name), "the claim queued on the lock")
+    proxy.stall()  # the network goes silent: the claim, and any cancel of it, get no reply
+    request.join(30)
+    assert answers and answers[0].status_code == 503, answers
+    lock.release.set()  # the queued claim commits now, on the server
+    lock.join(10)
+    try:  # psycopg2's cut claim commits; psycopg 3's (extended protocol) never does
+        wait_until(lambda: _claimed(cell.direct, store.table.name), "committed", within=3)
+        committed = True
+    except AssertionError:
+        committed = False
+    proxy.restore()
+    if committed:
+        wait_until(
+            lambda: any(s.get("outcome") == "landed" for s in landed),
+            "the kept release landed",
+            within=20,
+        )
+    second = app.test_client().post("/pay", json={"a": 1}, headers=KEY)
+    assert second.status_code == 201, (second.status_code, second.get_data(as_text=True))
+    assert calls == [1]
+
+
+def _claimed(direct: URL, table: str) -> bool:
+    engine = create_engine(direct, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return bool(conn.execute(text(f'SELECT count(*) FROM "{table}"')).scalar())
+    finally:
+        engine.dispose()
