@@ -15,8 +15,8 @@ earliest deadline of the statements under way. At a statement's deadline it firs
 asks the server to cancel it, by the driver's own means (psycopg 3's ``cancel_safe()``,
 libpq's ``PQcancel`` for psycopg2, :func:`_libpq_cancel`; sent on a connection of its
 own, which PgBouncer forwards to the server connection running it): a statement
-stuck behind a lock or a slow server then ends with ``query_canceled`` and was never applied, so a cut claim
-cannot commit later and hold its key for a lease (C58), and the connection stays in
+stuck behind a lock or a slow server then ends with ``query_canceled`` and was never
+applied, so a cut claim cannot commit later and hold its key for a lease (C58), and the connection stays in
 the pool. Only if no answer comes within :func:`grace` more (a dead network, a frozen
 host: the cancel cannot reach the server either) does it shut down the statement's
 socket (``shutdown(2)`` on a duplicate of the descriptor: the driver's own descriptor
