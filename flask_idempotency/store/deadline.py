@@ -16,10 +16,10 @@ asks the server to cancel it, by the driver's own means (psycopg 3's ``cancel_sa
 libpq's ``PQcancel`` for psycopg2, :func:`_libpq_cancel`; sent on a connection of its
 own, which PgBouncer forwards to the server connection running it): a statement
 stuck behind a lock or a slow server then ends with ``query_canceled`` and was never
-applied, so a cut claim cannot commit later and hold its key for a lease (C58), and the connection stays in
-the pool. Only if no answer comes within :func:`grace` more (a dead network, a frozen
-host: the cancel cannot reach the server either) does it shut down the statement's
-socket (``shutdown(2)`` on a duplicate of the descriptor: the driver's own descriptor
+applied, so a cut claim cannot commit later and hold its key for a lease (C58), and
+the connection stays in the pool. Only if no answer comes within :func:`grace` more
+(a dead network, a frozen host: the cancel cannot reach the server either) does it
+shut down the statement's socket (``shutdown(2)`` on a duplicate of the descriptor: the driver's own descriptor
 stays open until the driver closes it). The driver then reports the connection lost,
 SQLAlchemy drops it from its pool, and the store answers
 :class:`~flask_idempotency.store.errors.StoreError` at once: 503 with ``Retry-After``
