@@ -10,23 +10,23 @@ request that needs one. The server's ``statement_timeout`` cannot help: the serv
 is what does not answer.
 
 So each statement of the store, with its COMMIT, runs under a deadline
-(:data:`STATEMENT_DEADLINE`): one watchdog thread per process sleeps until the
-earliest deadline of the statements under way. At a statement's deadline it first
-asks the server to cancel it, by the driver's own means (psycopg 3's ``cancel_safe()``,
-libpq's ``PQcancel`` for psycopg2, :func:`_libpq_cancel`; sent on a connection of its
-own, which PgBouncer forwards to the server connection running it): a statement
-stuck behind a lock or a slow server then ends with ``query_canceled`` and was never
-applied, so a cut claim cannot commit later and hold its key for a lease (C58), and
-the connection stays in the pool. Only if no answer comes within :func:`grace` more
-(a dead network, a frozen host: the cancel cannot reach the server either) does it
-shut down the statement's socket (``shutdown(2)`` on a duplicate of the descriptor: the driver's own descriptor
-stays open until the driver closes it). The driver then reports the connection lost,
+(:data:`STATEMENT_DEADLINE`): one watchdog thread per process sleeps until the earliest
+deadline of the statements under way. At a statement's deadline it first asks the server
+to cancel it, by the driver's own means (psycopg 3's ``cancel_safe()``, libpq's
+``PQcancel`` for psycopg2, :func:`_libpq_cancel`; sent on a connection of its own, which
+PgBouncer forwards to the server connection running it): a statement stuck behind a lock
+or a slow server then ends with ``query_canceled`` and was never applied, so a cut claim
+cannot commit later and hold its key for a lease (C58), and the connection stays in the
+pool. Only if no answer comes within :func:`grace` more (a dead network, a frozen host:
+the cancel cannot reach the server either) does it shut down the statement's socket
+(``shutdown(2)`` on a duplicate of the descriptor: the driver's own descriptor stays
+open until the driver closes it). The driver then reports the connection lost,
 SQLAlchemy drops it from its pool, and the store answers
 :class:`~flask_idempotency.store.errors.StoreError` at once: 503 with ``Retry-After``
 (C25). That statement's outcome is unknown (:attr:`Deadline.cut`): it may still have
 been applied. Kernel-level limits (``tcp_user_timeout``, keepalives, set by
-:mod:`.connect`) catch a peer that stopped acknowledging packets; this catches the
-rest, such as a peer whose kernel still acknowledges but which never answers.
+:mod:`.connect`) catch a peer that stopped acknowledging packets; this catches the rest,
+such as a peer whose kernel still acknowledges but which never answers.
 
 Why not the server's ``statement_timeout``: the request path's statements on
 PostgreSQL run one per round trip in autocommit (:mod:`.direct`), where ``SET LOCAL``
