@@ -33,6 +33,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from . import forms, misuse, request_body, signals
 from .completion import settle as completion
+from .completion import unanswered
 from .completion.ownership import Ownership
 from .config import EffectiveOptions, RouteOptions
 from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, decide
@@ -52,7 +53,7 @@ from .problems import KeyReused as KeyReusedProblem
 from .records import Claim, Completed, Identity, Record
 from .request_body import too_large
 from .responses import replay
-from .store import StoreError, StoreMisconfigured
+from .store import ClaimUnanswered, StoreError, StoreMisconfigured
 
 if TYPE_CHECKING:
     from .state import AppState
@@ -249,7 +250,13 @@ def _decide_request(
     guard_locks = options.atomic
 
     def look_up() -> tuple[Outcome, str]:
-        return state.look_up(ident, ttl=options.ttl, lease=options.lease, guard_locks=guard_locks)
+        try:
+            return state.look_up(
+                ident, ttl=options.ttl, lease=options.lease, guard_locks=guard_locks
+            )
+        except ClaimUnanswered as exc:  # may commit later: undo it in the background (C58)
+            unanswered.keep_release(state, ident, options, started, app, req.endpoint, exc)
+            raise
 
     def park(
         record: Record, recheck: Callable[[], Outcome], going: Callable[[Outcome], bool]

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 from .errors import StoreError, StoreMisconfigured
 from .interface import Store
-from .sql import DurableStore
+from .sql import ClaimUnanswered, DurableStore
 
 if TYPE_CHECKING:  # the SQL implementation is a Store
     _IS_A_STORE: type[Store] = DurableStore
 
-__all__ = ["DurableStore", "Store", "StoreError", "StoreMisconfigured"]
+__all__ = ["ClaimUnanswered", "DurableStore", "Store", "StoreError", "StoreMisconfigured"]

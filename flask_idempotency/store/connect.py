@@ -22,7 +22,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import Pool, StaticPool
 
 from .. import process
 from .deadline import STATEMENT_DEADLINE
@@ -41,6 +41,10 @@ KEEPALIVES = {
 }
 #: The first libpq with ``tcp_user_timeout`` (an older one refuses the option).
 _TCP_USER_TIMEOUT_LIBPQ = 120000
+#: The pools of engines built here: their sessions are the store's alone, so a session
+#: setting (MariaDB's ``max_statement_time``, :mod:`.engines`) never reaches an app's own
+#: queries the way it would on an engine the app passed in.
+OWN_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 
 def lazy_engine(uri: str) -> Callable[[], Engine]:
@@ -107,6 +111,7 @@ def create_store_engine(uri: str, **options: Any) -> Engine:
             kwargs["poolclass"] = StaticPool
     kwargs.update(options)
     engine = create_engine(url, **kwargs)
+    OWN_POOLS.add(engine.pool)
     if backend == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
     return engine

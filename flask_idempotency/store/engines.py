@@ -30,6 +30,7 @@ from sqlalchemy import Connection, Engine, Table, create_engine, inspect
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from .. import process
+from .connect import OWN_POOLS
 from .deadline import STATEMENT_DEADLINE, Deadline, watchdog
 from .dialects import is_lock_unavailable, is_retryable, of
 from .direct import DirectSQL, DirectStatements, supported
@@ -43,6 +44,12 @@ from .errors import (
 )
 
 T = TypeVar("T")
+
+
+class Unanswered(StoreError):
+    """A statement whose reply never came: not even a cancel was answered and its socket
+    was shut down (:attr:`.deadline.Deadline.cut`). It may still have been applied (C58)."""
+
 
 #: Attempts of one statement, and of one claim, before the store gives up (C26).
 ATTEMPTS = 4
@@ -244,7 +251,7 @@ class StoreEngines:
                 return once()
             except DBAPIError as exc:
                 if deadline is not None and deadline.fired:
-                    raise StoreError(timed_out(deadline, exc)) from exc
+                    raise _cut_off(deadline, exc) from exc
                 if is_schema_error(exc):
                     raise StoreMisconfigured(self._schema_help(exc)) from exc
                 if lock_wait_is_final and is_lock_unavailable(exc):
@@ -258,7 +265,7 @@ class StoreEngines:
                 time.sleep(random.uniform(0.005, 0.02) * (attempt + 1))
             except SQLAlchemyError as exc:
                 if deadline is not None and deadline.fired:
-                    raise StoreError(timed_out(deadline, exc)) from exc
+                    raise _cut_off(deadline, exc) from exc
                 raise StoreError(describe(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -304,7 +311,11 @@ def _in_transaction(conn: Connection, work: Callable[[Connection], T]) -> T:
 
 def watched(conn: Connection, deadline: Deadline | None, work: Callable[..., T], *args: Any) -> T:
     """``work(*args)`` with the statements it sends on ``conn`` under ``deadline``."""
-    if deadline is None or conn.dialect.name != "postgresql":
+    if deadline is None:
+        return work(*args)
+    if conn.dialect.name != "postgresql":
+        if getattr(conn.dialect, "is_mariadb", False):
+            _limit_statements(conn, deadline.seconds)
         return work(*args)
     dog = watchdog()
     watching = dog.watch(deadline, conn.connection.dbapi_connection)
@@ -313,6 +324,39 @@ def watched(conn: Connection, deadline: Deadline | None, work: Callable[..., T],
     finally:
         if watching:
             dog.unwatch(deadline)
+
+
+#: The ``max_statement_time`` a pooled MariaDB connection's session was given.
+_STATEMENT_LIMIT = "flask_idempotency.max_statement_time"
+
+
+def _limit_statements(conn: Connection, seconds: float) -> None:
+    """MariaDB ends a statement that runs longer than ``seconds`` itself (error 1969,
+    rolled back: a claim stuck behind a lock never commits later, C58), on the store's
+    own engines (:data:`.connect.OWN_POOLS`): set once per pooled connection, in its
+    session. An app's engine (``db=``) is left as it is: the session would carry the
+    limit into the app's own queries."""
+    if conn.engine.pool not in OWN_POOLS:
+        return
+    info = conn.connection.info
+    if info.get(_STATEMENT_LIMIT) == seconds:
+        return
+    try:  # on the driver's cursor: no SQLAlchemy transaction is begun for it
+        cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+        try:
+            cursor.execute(f"SET SESSION max_statement_time = {float(seconds):.3f}")
+        finally:
+            cursor.close()
+    except Exception:  # a dead connection: the statement that follows reports it
+        return
+    info[_STATEMENT_LIMIT] = seconds
+
+
+def _cut_off(deadline: Deadline, exc: BaseException) -> StoreError:
+    """The error for a statement its deadline ended: :class:`Unanswered` when not even its
+    cancel was answered (it may have been applied), else a plain outage (cancelled on
+    the server: not applied)."""
+    return (Unanswered if deadline.cut else StoreError)(timed_out(deadline, exc))
 
 
 def timed_out(deadline: Deadline, exc: BaseException) -> str:

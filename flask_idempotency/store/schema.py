@@ -17,6 +17,7 @@ from collections.abc import Callable
 from sqlalchemy import Connection, Engine, MetaData, Table, inspect, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+from .. import process
 from .engines import StoreEngines
 from .errors import StoreError, StoreMisconfigured, describe
 from .identity import (
@@ -34,10 +35,14 @@ from .table import idempotency_table
 
 log = logging.getLogger("flask_idempotency")
 
-#: Seconds an identity that could not be read is not asked for again: the Redis tier
-#: asks on every use while it has none, and the answer is a round trip (or a timeout).
-IDENTITY_RETRY_MISSING = 5.0
-IDENTITY_RETRY_UNAVAILABLE = 1.0
+#: Seconds an identity that could not be read is not asked for again by callers that ask
+#: per request (the default scope's secret). Shorter than the Redis tier's first back-off
+#: step (1 s, :class:`~flask_idempotency.cache.outage.Outage`): the tier asks once per
+#: step, and each of its probes must reach the database, so that a table created after
+#: the app started brings the tier back at its next probe (C54; 5 s here kept it off
+#: four probes longer, issue 33).
+IDENTITY_RETRY_MISSING = 0.2
+IDENTITY_RETRY_UNAVAILABLE = 0.2
 
 
 class StoreSchema(StoreEngines):
@@ -60,6 +65,9 @@ class StoreSchema(StoreEngines):
         self.on_app_metadata = metadata is not None
         self._identity: StoreIdentity | None = None
         self._identity_failure: tuple[float, StoreError] | None = None
+        #: One reader of the identity at a time: racing first requests wait for its
+        #: answer instead of each reading (and maybe writing) the row (issue 33).
+        self._identity_lock = process.lazy_lock()
         self._verified = False
 
     def create_table(self) -> None:
@@ -99,8 +107,17 @@ class StoreSchema(StoreEngines):
         :class:`.identity.IdentityMissing` when the table is not there (logged at ERROR,
         with the command that fixes it) and :class:`.identity.IdentityUnavailable` when
         the database does not answer; for a few seconds after either, the same error is
-        raised again without asking the database.
+        raised again without asking the database. Single-flight: concurrent first
+        callers wait for one read (once per process, as docs/redis.md says).
         """
+        known = self._identity
+        if known is not None:
+            return known
+        with self._identity_lock:
+            return self._identity_once()
+
+    def _identity_once(self) -> StoreIdentity:
+        """:meth:`identity` under its lock: the answer of whoever read it first."""
         known = self._identity
         if known is not None:
             return known

@@ -21,7 +21,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Connection, Engine, MetaData
+from sqlalchemy import Connection, Engine, MetaData, delete
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..records import (
@@ -36,7 +36,7 @@ from ..records import (
 )
 from .dialects import named, of
 from .direct import DirectStatements
-from .engines import ATTEMPTS, timed_out, watched
+from .engines import ATTEMPTS, Unanswered, timed_out, watched
 from .errors import StoreError, describe, is_read_only
 from .schema import StoreSchema
 from .statements import (
@@ -58,6 +58,17 @@ from .statements import (
 )
 
 log = logging.getLogger("flask_idempotency")
+
+
+class ClaimUnanswered(Unanswered):
+    """A claim whose statement got no reply, not even to its cancel: it may commit
+    later, held by a token nobody was handed (C58). Still a 503 for the request; the
+    caller keeps :meth:`DurableStore.release_unanswered` with :attr:`key_digest` and
+    :attr:`token` and retries it like a settlement, so the key is not held for a lease."""
+
+    def __init__(self, message: str, key_digest: str, token: str, lease: float) -> None:
+        super().__init__(message)
+        self.key_digest, self.token, self.lease = key_digest, token, lease
 
 
 class DurableStore(StoreSchema):
@@ -122,7 +133,10 @@ class DurableStore(StoreSchema):
         token = new_token()
         how = "new"
         for _ in range(ATTEMPTS):
-            outcome = self._claim_or_read(ident, token, ttl_ms, lease_ms, guard_locks)
+            try:
+                outcome = self._claim_or_read(ident, token, ttl_ms, lease_ms, guard_locks)
+            except Unanswered as exc:  # may commit later under a token nobody holds (C58)
+                raise ClaimUnanswered(str(exc), ident.key_digest, token, lease) from exc
             if isinstance(outcome, Claim):
                 return outcome
             record = outcome
@@ -490,6 +504,20 @@ class DurableStore(StoreSchema):
             return attempts > 1 and direct.fetchone(cursor, info, exists, params) is None
 
         return self._run_direct(direct, statement.sql, delete_own)
+
+    def release_unanswered(self, key_digest: str, token: str) -> bool:
+        """Undo a claim that got no reply (:class:`ClaimUnanswered`): delete the record of
+        ``key_digest`` if it is still in progress under ``token``, which was never handed
+        to anyone (fenced like every owner's write: a record another request took over
+        or completed stays). ``True`` when it deleted the record; ``False`` when there is
+        none: the claim was never applied, or has not been applied *yet* (its statement
+        may still be queued on the server), so the caller tries again until the claim's
+        lease would have lapsed anyway (C13)."""
+        t = self.table
+        stmt = delete(t).where(
+            t.c.key_digest == key_digest, t.c.lock_token == token, t.c.state == IN_PROGRESS
+        )
+        return bool(self._run(lambda conn: conn.execute(stmt).rowcount, self._single()))
 
     def _release_statement(self) -> Any:
         """The owner's fenced DELETE, with the claim's id and token as parameters."""
