@@ -15,6 +15,14 @@ a greenlet and its primitives; a forked child starts with a fresh renewer (the
 parent's thread does not exist there). The thread ends when it has had nothing to
 renew for a while and starts again with the next owner.
 
+A settlement kept because the store refused it for now (C55, :mod:`.deferred`)
+holds its lease the same way (C59): whenever the store answers, its lease is
+renewed after those of running views, and the settlement is then tried at once on
+the settler's own thread, so a slow one (up to the statement deadline) never
+delays a renewal; while it waits, the other kept settlements' leases are still
+renewed here, so none lapses. A claim of this process never takes over a record
+whose settlement the process keeps (:func:`..process.keeps`).
+
 A renewal that finds the record no longer under the owner's token, or renewals
 that fail until the lease must have lapsed, are reported through the
 ``lease_renewal_failed`` signal (sent from the renewal thread). The owner still
