@@ -143,3 +143,58 @@ def test_c59_a_completion_landing_in_the_exit_flush_gets_its_signals_first(
     assert deferred.flush(timeout=10) == 0
     assert stored == [201], "flush() returned before the landed completion's signals ran"
     assert cut_store.states() == [COMPLETED]
+
+
+def test_c59_a_slow_settlement_never_delays_the_renewal_of_a_running_view(
+    cut_store: CutStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kept completion whose attempt hangs (up to the statement deadline on a real
+    outage) must not hold up the renewals of views still running."""
+    app = cut_store.app(IDEMPOTENCY_LEASE=1)
+    store = app.extensions["idempotency"].store
+    cut_store.store_table = store.table
+    complete = store.complete
+    refused: list[bool] = []
+    hanging, go = threading.Event(), threading.Event()
+
+    def slow_complete(*args: Any, **kwargs: Any) -> Any:
+        if not refused:
+            refused.append(True)
+            raise StoreError("refused for now")  # the first view's completion is kept
+        if threading.current_thread() is not threading.main_thread():
+            hanging.set()  # the kept completion's retry hangs until the test lets it go
+            go.wait(10)
+        return complete(*args, **kwargs)
+
+    monkeypatch.setattr(store, "complete", slow_complete)
+
+    @app.post("/kept")
+    @idempotent
+    def kept():
+        return jsonify(ok=True), 201
+
+    @app.post("/running")
+    @idempotent
+    def running():
+        table = cut_store.store_table
+        newest = select(table.c.lease_expires_at_ms).order_by(table.c.id.desc()).limit(1)
+        with cut_store.direct.connect() as conn:
+            first = conn.execute(newest).scalar_one()
+
+        def renewed() -> bool:
+            with cut_store.direct.connect() as conn:
+                return conn.execute(newest).scalar_one() > first + 1000
+
+        wait_until(renewed, "the running view's lease renewed twice", within=5)
+        return jsonify(ok=True), 201
+
+    client = app.test_client()
+    try:
+        assert client.post("/kept", json={}, headers=KEY).status_code == 201
+        assert hanging.wait(5), "the kept completion was never retried"
+        other = client.post("/running", json={}, headers={"Idempotency-Key": "running-1"})
+        assert other.status_code == 201, other.get_data()
+    finally:
+        go.set()
+    wait_until(lambda: deferred.pending() == 0, "no settlement left", within=5)
+    assert cut_store.states() == [COMPLETED, COMPLETED]
