@@ -279,6 +279,14 @@ class Renewer:
                 and time.monotonic() < deadline
                 and self._thread is not None
             ):
+                if self._to_settle and self._settler is None:
+                    lease = self._to_settle.pop(0)  # no settler thread: settle here
+                    self._cond.release()
+                    try:
+                        self._settle(lease)
+                    finally:
+                        self._cond.acquire()
+                    continue
                 self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
             return self.pending
 
@@ -401,10 +409,7 @@ class Renewer:
                     lease.queued = True
                     self._to_settle.append(lease)
             if self._to_settle and self._settler is None:
-                self._settler = threading.Thread(
-                    target=self._run_settler, name="idempotency-settler", daemon=True
-                )
-                self._settler.start()
+                self._start_settler()
             for lease in due:
                 lease.in_flight = False
             self._cond.notify_all()
@@ -434,6 +439,19 @@ class Renewer:
                 if outcomes[lease]:
                     lease.confirmed_until = sent + lease.lease
         return outcomes
+
+    def _start_settler(self) -> None:
+        """Start the settler's thread (under the lock); at interpreter exit, where a
+        new thread may be refused, :meth:`flush` settles on its own thread instead."""
+        settler = threading.Thread(
+            target=self._run_settler, name="idempotency-settler", daemon=True
+        )
+        try:
+            settler.start()
+        except RuntimeError as exc:  # "can't create new thread at interpreter shutdown"
+            log.debug("idempotency: no settler thread now (%s)", exc)
+            return
+        self._settler = settler
 
     def _run_settler(self) -> None:
         """The settler's thread: attempt each queued settlement once, in turn."""

@@ -19,7 +19,7 @@ from flask import jsonify
 from sqlalchemy import func, select
 
 from flask_idempotency import idempotent, signals
-from flask_idempotency.completion import deferred
+from flask_idempotency.completion import deferred, heartbeat
 from flask_idempotency.records import COMPLETED
 from flask_idempotency.store import StoreError
 from tests import test_deferred
@@ -198,3 +198,29 @@ def test_c59_a_slow_settlement_never_delays_the_renewal_of_a_running_view(
         go.set()
     wait_until(lambda: deferred.pending() == 0, "no settlement left", within=5)
     assert cut_store.states() == [COMPLETED, COMPLETED]
+
+
+def test_c59_the_exit_flush_settles_by_itself_when_no_thread_may_start(
+    cut_store: CutStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At interpreter exit a new thread may be refused (Python 3.12+): the flush then
+    lands the kept completion on its own thread, signals included."""
+    app = cut_store.app()
+    cut_store.store_table = app.extensions["idempotency"].store.table
+    stored: list[int] = []
+    signals.response_stored.connect(
+        lambda sender, **extra: stored.append(extra["status"]), app, weak=False
+    )
+    monkeypatch.setattr(heartbeat.Renewer, "_start_settler", lambda self: None)
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        cut_store.proxy.cut()
+        return jsonify(ok=True), 201
+
+    assert app.test_client().post("/pay", json={}, headers=KEY).status_code == 201
+    cut_store.proxy.restore()
+    assert deferred.flush(timeout=10) == 0
+    assert stored == [201]
+    assert cut_store.states() == [COMPLETED]
