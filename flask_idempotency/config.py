@@ -71,7 +71,10 @@ class Settings:
     #: Seconds a key lives, counted from its first request (C21).
     ttl: float = 86400.0
     #: Seconds an in-progress claim is held before another request may take it over
-    #: (C13); must be shorter than the TTL.
+    #: (C13); must be shorter than the TTL. Renewed every third of it while the view
+    #: runs and while its completion waits for the database (C59), so a database outage
+    #: is survived without a second run if it is shorter than two thirds of the lease:
+    #: choose at least 1.5 x (the longest failover + 1 s); the default covers 39 s.
     lease: float = 60.0
     #: Seconds a duplicate waits for the in-flight original (C10); ``0`` answers 409 at once.
     wait: float = 5.0

@@ -170,6 +170,27 @@ def running_listeners() -> list[Listener]:
         return [listener for listener in _listeners.values() if listener.usable]
 
 
+# -- kept settlements ----------------------------------------------------------------------
+
+#: Lock tokens of the claims whose settlement this process keeps (C59). A claim of this
+#: process never takes such a record over once its lease looks lapsed: the settlement is
+#: alive here and lands by itself.
+_kept_tokens: set[str] = set()
+
+
+def keep_token(token: str) -> None:
+    _kept_tokens.add(token)
+
+
+def forget_token(token: str) -> None:
+    _kept_tokens.discard(token)
+
+
+def keeps(token: str | None) -> bool:
+    """Whether this process keeps the settlement of the claim holding ``token``."""
+    return token is not None and token in _kept_tokens
+
+
 # -- fork ---------------------------------------------------------------------------------
 
 #: Resets of other per-process parts (the lease heartbeat), run by the one fork hook.
@@ -189,6 +210,7 @@ def _after_fork_in_child() -> None:
     for listener in list(_listeners.values()):
         listener.abandon()  # its thread did not survive the fork
     _listeners.clear()
+    _kept_tokens.clear()  # the parent's settlements stay the parent's
     _shared.clear()  # redis-py pools also check the pid; these are rebuilt in the child
     for engine in list(_engines):
         try:

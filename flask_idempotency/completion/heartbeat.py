@@ -15,6 +15,14 @@ a greenlet and its primitives; a forked child starts with a fresh renewer (the
 parent's thread does not exist there). The thread ends when it has had nothing to
 renew for a while and starts again with the next owner.
 
+A settlement kept because the store refused it for now (C55, :mod:`.deferred`)
+holds its lease the same way (C59): whenever the store answers, its lease is
+renewed after those of running views, and the settlement is then tried at once on
+the settler's own thread, so a slow one (up to the statement deadline) never
+delays a renewal; while it waits, the other kept settlements' leases are still
+renewed here, so none lapses. A claim of this process never takes over a record
+whose settlement the process keeps (:func:`..process.keeps`).
+
 A renewal that finds the record no longer under the owner's token, or renewals
 that fail until the lease must have lapsed, are reported through the
 ``lease_renewal_failed`` signal (sent from the renewal thread). The owner still
@@ -95,6 +103,7 @@ class Lease:
         "lost",
         "max_runtime",
         "next_due",
+        "queued",
         "renewer",
         "report",
         "settlement",
@@ -129,8 +138,10 @@ class Lease:
         self.lost: str | None = None
         self._reported: set[str] = set()
         self.renewer: Renewer | None = None
-        #: A settlement the store refused for now, retried on the renewer's thread (C55).
+        #: A settlement the store refused for now, retried on the settler's thread (C55).
         self.settlement: Settlement | None = None
+        #: Its settlement waits for, or is in, an attempt on the settler's thread.
+        self.queued = False
 
 
 class Renewer:
@@ -153,6 +164,13 @@ class Renewer:
         #: Settlements kept (C55): how many, and the bytes of their bodies.
         self.pending = 0
         self.pending_bytes = 0
+        #: Settlements that landed or were given up whose callbacks (promotion, wake-up,
+        #: signals) have not finished yet: an exit flush waits for them too (C59).
+        self.finishing = 0
+        #: Kept settlements due for an attempt, tried one at a time on the settler's own
+        #: thread: a slow one (up to the statement deadline) never delays a renewal (C59).
+        self._to_settle: list[Lease] = []
+        self._settler: threading.Thread | None = None
 
     # -- called by owners ----------------------------------------------------------------
 
@@ -228,6 +246,7 @@ class Renewer:
                 return False
             self.pending += 1
             self.pending_bytes += settlement.size
+            process.keep_token(lease.claim.lock_token)
             lease.settlement = settlement
             lease.done = lease.held = False
             lease.next_due = time.monotonic() + settlement.pause
@@ -241,7 +260,12 @@ class Renewer:
 
     def flush(self, timeout: float) -> int:
         """Try every kept settlement now and wait up to ``timeout`` for them to land;
-        returns how many are still pending (a clean worker shutdown calls this)."""
+        returns how many are still pending (a clean worker shutdown calls this).
+
+        A settlement that landed counts as pending until what follows it (promotion to
+        the cache, the wake-up, the signals) has run: the process may end as soon as
+        this returns (C59).
+        """
         deadline = time.monotonic() + timeout
         with self._cond:
             now = time.monotonic()
@@ -250,7 +274,19 @@ class Renewer:
                     lease.next_due = min(lease.next_due, now)
             self._wakes_at = None
             self._cond.notify_all()
-            while self.pending and time.monotonic() < deadline and self._thread is not None:
+            while (
+                (self.pending or self.finishing)
+                and time.monotonic() < deadline
+                and self._thread is not None
+            ):
+                if self._to_settle and self._settler is None:
+                    lease = self._to_settle.pop(0)  # no settler thread: settle here
+                    self._cond.release()
+                    try:
+                        self._settle(lease)
+                    finally:
+                        self._cond.acquire()
+                    continue
                 self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
             return self.pending
 
@@ -321,17 +357,71 @@ class Renewer:
                 self._wakes_at = None
 
     def _renew(self, due: list[Lease]) -> None:
+        """Renew the due leases: running views' first, then those of kept settlements.
+
+        A kept settlement's lease is renewed exactly like a running view's, whenever
+        the store answers (C59): its record then never lapses while this process keeps
+        it, however long the outage before. Each renewed one is handed to the settler
+        for an attempt at once, with no back-off left to wait out.
+        """
         settling = [lease for lease in due if lease.settlement is not None]
-        if settling:
-            self._settle(settling)
-            due = [lease for lease in due if lease.settlement is None]
+        running = [lease for lease in due if lease.settlement is None]
         reports: list[tuple[Lease, str]] = []
         now = time.monotonic()
-        stopping = [lease for lease in due if now - lease.started >= lease.max_runtime]
+        stopping = [lease for lease in running if now - lease.started >= lease.max_runtime]
         groups: dict[tuple[int, float], list[Lease]] = {}
-        for lease in due:
+        for lease in running:
             if lease not in stopping:
                 groups.setdefault((id(lease.store), lease.lease), []).append(lease)
+        outcomes = self._renew_groups(groups)
+        kept: dict[tuple[int, float], list[Lease]] = {}
+        for lease in settling:
+            kept.setdefault((id(lease.store), lease.lease), []).append(lease)
+        settled = self._renew_groups(kept)
+        with self._cond:
+            for lease in stopping:
+                self._leases.discard(lease)
+                reports.append((lease, MAX_RUNTIME))
+            now = time.monotonic()
+            for lease, ok in outcomes.items():
+                if ok:
+                    lease.next_due = now + lease.lease / 3
+                    continue
+                if ok is False and not lease.done:
+                    lease.lost = TAKEN_OVER
+                    self._leases.discard(lease)  # nothing of ours left to renew
+                    reports.append((lease, TAKEN_OVER))
+                    continue
+                lease.next_due = now + _retry_step(lease)
+                if now >= lease.confirmed_until and not lease.done:
+                    lease.lost = lease.lost or STORE_UNAVAILABLE
+                    reports.append((lease, STORE_UNAVAILABLE))
+            for lease, ok in settled.items():
+                settlement = lease.settlement
+                if settlement is None:  # it landed on the settler's thread meanwhile
+                    continue
+                # Renewed: try it now. Not renewed (False): no longer in progress under
+                # our token, maybe because an earlier try of ours landed; the fenced
+                # attempt tells which. No answer: try again once the store answers,
+                # unless its time is up (the attempt then gives it up).
+                lease.next_due = now + (lease.lease / 3 if ok else _retry_step(lease))
+                if (ok is not None or now >= settlement.deadline) and not lease.queued:
+                    lease.queued = True
+                    self._to_settle.append(lease)
+            if self._to_settle and self._settler is None:
+                self._start_settler()
+            for lease in due:
+                lease.in_flight = False
+            self._cond.notify_all()
+        for lease, reason in reports:
+            if reason not in lease._reported and not lease.done:
+                lease._reported.add(reason)
+                lease.report(reason)
+
+    def _renew_groups(
+        self, groups: dict[tuple[int, float], list[Lease]]
+    ) -> dict[Lease, bool | None]:
+        """Renew each group in one short transaction: renewed, not ours, or no answer."""
         outcomes: dict[Lease, bool | None] = {}
         for leases in groups.values():
             sent = time.monotonic()
@@ -348,63 +438,71 @@ class Renewer:
                 outcomes[lease] = lease.claim.record_id in renewed
                 if outcomes[lease]:
                     lease.confirmed_until = sent + lease.lease
-        with self._cond:
-            for lease in stopping:
-                self._leases.discard(lease)
-                reports.append((lease, MAX_RUNTIME))
-            now = time.monotonic()
-            for lease, ok in outcomes.items():
-                if ok:
-                    lease.next_due = now + lease.lease / 3
-                    continue
-                if ok is False and not lease.done:
-                    lease.lost = TAKEN_OVER
-                    self._leases.discard(lease)  # nothing of ours left to renew
-                    reports.append((lease, TAKEN_OVER))
-                    continue
-                lease.next_due = now + max(0.02, min(1.0, lease.lease * _RETRY_FRACTION))
-                if now >= lease.confirmed_until and not lease.done:
-                    lease.lost = lease.lost or STORE_UNAVAILABLE
-                    reports.append((lease, STORE_UNAVAILABLE))
-            for lease in due:
-                lease.in_flight = False
-            self._cond.notify_all()
-        for lease, reason in reports:
-            if reason not in lease._reported and not lease.done:
-                lease._reported.add(reason)
-                lease.report(reason)
+        return outcomes
 
-    def _settle(self, leases: list[Lease]) -> None:
-        """Try each kept settlement once; back off the ones the store still refuses."""
-        results: list[tuple[Lease, Settlement, Any, BaseException | None]] = []
-        for lease in leases:
-            settlement = lease.settlement
-            assert settlement is not None
-            try:
-                results.append((lease, settlement, settlement.attempt(), None))
-            except Exception as exc:  # StoreError, or a pool that cannot hand out a connection
-                results.append((lease, settlement, None, exc))
-        finished: list[tuple[Settlement, Any, BaseException | None]] = []
+    def _start_settler(self) -> None:
+        """Start the settler's thread (under the lock); at interpreter exit, where a
+        new thread may be refused, :meth:`flush` settles on its own thread instead."""
+        settler = threading.Thread(
+            target=self._run_settler, name="idempotency-settler", daemon=True
+        )
+        try:
+            settler.start()
+        except RuntimeError as exc:  # "can't create new thread at interpreter shutdown"
+            log.debug("idempotency: no settler thread now (%s)", exc)
+            return
+        self._settler = settler
+
+    def _run_settler(self) -> None:
+        """The settler's thread: attempt each queued settlement once, in turn."""
+        try:
+            while True:
+                with self._cond:
+                    if not self._to_settle:
+                        self._settler = None
+                        return
+                    lease = self._to_settle.pop(0)
+                self._settle(lease)
+        except Exception:  # pragma: no cover - a bug here must not pass silently
+            log.exception("idempotency: the settler stopped")
+            with self._cond:
+                self._settler = None
+
+    def _settle(self, lease: Lease) -> None:
+        """Try one kept settlement; keep it (its lease renewed) while the store refuses."""
+        settlement = lease.settlement
+        assert settlement is not None
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = settlement.attempt()
+        except Exception as exc:  # StoreError, or a pool that cannot hand out a connection
+            error = exc
         with self._cond:
+            lease.queued = False
             now = time.monotonic()
-            for lease, settlement, result, error in results:
-                lease.in_flight = False
-                if error is not None and now < settlement.deadline:
-                    settlement.pause = min(settlement.pause * 2, MAX_PAUSE)
-                    lease.next_due = now + settlement.pause
-                    continue
-                lease.settlement = None
-                lease.done = True
-                self._leases.discard(lease)
-                self.pending -= 1
-                self.pending_bytes -= settlement.size
-                finished.append((settlement, result, error))
-            self._cond.notify_all()
-        for settlement, result, error in finished:
+            if error is not None and now < settlement.deadline:
+                settlement.pause = min(settlement.pause * 2, MAX_PAUSE)
+                lease.next_due = min(lease.next_due, now + settlement.pause)
+                self._wakes_at = None
+                self._cond.notify_all()
+                return
+            lease.settlement = None
+            lease.done = True
+            self._leases.discard(lease)
+            self.pending -= 1
+            self.pending_bytes -= settlement.size
+            self.finishing += 1
+        try:
             if error is None:
                 settlement.landed(result)
             else:
                 settlement.gave_up(error)
+        finally:
+            process.forget_token(lease.claim.lock_token)
+            with self._cond:
+                self.finishing -= 1
+                self._cond.notify_all()
 
     def _engine(self, store: DurableStore) -> Engine:
         """The store's engine with a pool of the renewer's own.
@@ -427,6 +525,11 @@ class Renewer:
         engines, self._engines = self._engines, {}
         for _, own in engines.values():
             own.dispose()
+
+
+def _retry_step(lease: Lease) -> float:
+    """After a renewal with no answer, try again this soon."""
+    return max(0.02, min(1.0, lease.lease * _RETRY_FRACTION))
 
 
 _renewer: Renewer | None = None

@@ -24,6 +24,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, MetaData, delete
 from sqlalchemy.exc import SQLAlchemyError
 
+from .. import process
 from ..records import (
     COMPLETED,
     IN_PROGRESS,
@@ -149,7 +150,8 @@ class DurableStore(StoreSchema):
                 claim = self._replace_expired(record, ident, token, ttl_ms, lease_ms)
             elif record.fingerprint != ident.fingerprint or record.state == COMPLETED:
                 return record
-            elif not record.lease_live:
+            elif not record.lease_live and not process.keeps(record.lock_token):
+                # (A record whose settlement this very process keeps is left to it, C59.)
                 how = "taken_over"
                 claim = self._take_over(record, token, lease_ms)
             else:
