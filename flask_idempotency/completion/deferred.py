@@ -4,9 +4,9 @@ A view ran and its client has its answer; storing that answer, or releasing the
 key, then failed because the database could not be reached: a primary failing
 over, a restart, a network cut. Dropped, the record would stay in progress until
 its lease lapsed, and the next retry would take it over and run the view a
-second time. Kept instead, the settlement is retried by the lease heartbeat's
-thread (one per process) with back-off, and the lease is kept in the renewer
-meanwhile, until the store accepts the write, the record turns out to be
+second time. Kept instead, its lease is renewed by the heartbeat's thread like a
+running view's, and the settlement is retried on a settler thread after each
+renewal (C59; :mod:`.heartbeat`), until the store accepts the write, the record turns out to be
 another owner's (the write is fenced by the lock token, C14), or
 ``IDEMPOTENCY_MAX_RUNTIME`` has passed since the owner began. A duplicate
 arriving in between parks or gets 409 as for any key in flight, and is woken by
