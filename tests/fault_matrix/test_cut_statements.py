@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -78,9 +78,23 @@ def cell(request: Any) -> Iterator[Cell]:
                 str(binary), str(direct.host or "127.0.0.1"), int(direct.port or 5432), pool_size=4
             ).start()
             url = bouncer.route(direct)
-    make = request.getfixturevalue("make_app")
-    table = f"idem_{uuid.uuid4().hex[:12]}"
     stores: list[Any] = []
+    factory = _app_factory(request.getfixturevalue("make_app"), url, stores)
+
+    try:
+        yield Cell(name, url, direct, factory)
+    finally:
+        for store in stores[:1]:
+            for t in (store.table, store.identity_table):
+                t.drop(store.engine, checkfirst=True)
+        if bouncer is not None:
+            bouncer.stop()
+
+
+def _app_factory(make: Any, url: Any, stores: list[Any]) -> Callable[..., Any]:
+    """Apps of one cell: one private table on ``url``, the short statement deadline; each
+    app's store is added to ``stores`` so that the cell drops the table once."""
+    table = f"idem_{uuid.uuid4().hex[:12]}"
 
     def factory(config: dict[str, Any] | None = None) -> Any:
         merged = {
@@ -94,14 +108,7 @@ def cell(request: Any) -> Iterator[Cell]:
         stores.append(store)
         return app
 
-    try:
-        yield Cell(name, url, direct, factory)
-    finally:
-        for store in stores[:1]:
-            for t in (store.table, store.identity_table):
-                t.drop(store.engine, checkfirst=True)
-        if bouncer is not None:
-            bouncer.stop()
+    return factory
 
 
 class TableLock(threading.Thread):
@@ -187,21 +194,8 @@ def proxied_cell(request: Any) -> Iterator[tuple[Cell, TcpProxy]]:
     direct = driver_url(request.getfixturevalue("pg_database"), request.param)
     proxy = TcpProxy(direct.host or "127.0.0.1", direct.port or 5432).start()
     routed = direct.set(host="127.0.0.1", port=proxy.port)
-    make = request.getfixturevalue("make_app")
-    table = f"idem_{uuid.uuid4().hex[:12]}"
     stores: list[Any] = []
-
-    def factory(config: dict[str, Any] | None = None) -> Any:
-        merged = {
-            "IDEMPOTENCY_DATABASE_URI": routed.render_as_string(hide_password=False),
-            "IDEMPOTENCY_TABLE": table,
-            **(config or {}),
-        }
-        app, _ = make(merged)
-        store = app.extensions["idempotency"].store
-        store.statement_deadline = DEADLINE
-        stores.append(store)
-        return app
+    factory = _app_factory(request.getfixturevalue("make_app"), routed, stores)
 
     try:
         yield Cell(str(request.param), routed, direct, factory), proxy
