@@ -46,8 +46,8 @@ OLDEST = [
     "Flask-Cors==4.0.0",
 ]
 
-#: Lint tools: not needed to run the tests.
-NOT_FOR_TESTS = {"ruff", "mypy"}
+#: Lint tools and nox itself: not needed to run the tests.
+NOT_FOR_TESTS = {"ruff", "mypy", "nox"}
 
 
 def _name(requirement: str) -> str:

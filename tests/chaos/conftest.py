@@ -154,7 +154,9 @@ class ChaosRig:
         self.servers: list[GunicornServer] = []
         self.inspector = redis.Redis(port=self.redis.port, socket_timeout=10)
 
-    def serve(self, *, workers: int = 3, threads: int = 6, **settings: Any) -> GunicornServer:
+    def serve(
+        self, *, workers: int = 3, threads: int = 6, preload: bool = False, **settings: Any
+    ) -> GunicornServer:
         env = {
             "DATABASE_URL": self.proxied_store_url,
             "LEDGER_URL": self.ledger_url,
@@ -168,6 +170,7 @@ class ChaosRig:
             workers=workers,
             threads=threads,
             timeout=120,
+            preload=preload,
         )
         self.servers.append(server)
         return server.start(ready_within=EVENTUALLY)
