@@ -1,0 +1,308 @@
+"""A settlement outlives its process (CONTRACT C59, issue 33 item 5).
+
+A process that ends with kept settlements (gunicorn's ``--max-requests``, a graceful
+restart, SIGTERM) writes them to the host's spool at exit; the next process of the
+app on the host adopts them before its next claim, renews their leases, lands them
+and sends their signals. The cells: the exit hands on (PostgreSQL on both drivers
+through a cut proxy, and a real ended process on SQLite), two processes racing for
+one spool adopt each file once, a torn file is set aside with a log line, and the
+settlement's deadline is kept on one clock. The real deployment (gunicorn workers
+recycled during an outage) is tests/deploy/test_recycled_workers.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flask import jsonify
+from sqlalchemy import func, select
+
+from flask_idempotency import idempotent, signals
+from flask_idempotency.completion import deferred, spool
+from flask_idempotency.records import COMPLETED, Claim, Identity, StoredResponse
+from flask_idempotency.store import StoreError
+from tests import test_deferred
+from tests.support.gunicorn import REPO_ROOT
+from tests.support.waiting import wait_until
+from tests.test_deferred import CutStore, record
+from tests.test_lifecycle import KEY, REPLAYED
+
+cut_store = test_deferred.cut_store
+
+
+def _lapsed_pg(db: CutStore) -> bool:
+    table = db.store_table
+    now_ms = func.floor(func.extract("epoch", func.clock_timestamp()) * 1000)
+    with db.direct.connect() as conn:
+        return bool(conn.execute(select(table.c.lease_expires_at_ms < now_ms)).scalar_one())
+
+
+def _spooled(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.json"))
+
+
+@pytest.mark.postgres
+def test_c59_an_ended_process_hands_its_kept_completion_on_and_the_next_lands_it(
+    cut_store: CutStore, tmp_path: Path
+) -> None:
+    """The store is down when the process ends, and stays down past the lease: the next
+    process adopts the completion, a retry there never runs the view again, and the
+    completion lands with its promotion and signals (before: dropped at exit; the retry
+    ran the view a second time)."""
+    root = tmp_path / "spool"
+    config = {"IDEMPOTENCY_LEASE": 1, "IDEMPOTENCY_SPOOL_DIR": str(root)}
+    calls: list[int] = []
+
+    def pay() -> Any:
+        calls.append(1)
+        cut_store.proxy.cut()
+        return jsonify(run=len(calls)), 201
+
+    ending = cut_store.app(**config)
+    cut_store.store_table = ending.extensions["idempotency"].store.table
+    ending.post("/pay")(idempotent(pay))
+    following = cut_store.app(**config)  # the next process's app (made while the store is up)
+    following.post("/pay")(idempotent(pay))
+    assert ending.test_client().post("/pay", json={}, headers=KEY).get_json() == {"run": 1}
+    assert deferred.pending() == 1
+    left = deferred.flush(timeout=0.3)  # the process ends with the store still down
+    spooled = _spooled(root)
+    wait_until(lambda: _lapsed_pg(cut_store), "the ended owner's lease lapsed", within=10)
+
+    stored = record(following, signals.response_stored)
+    landed = record(following, signals.settlement_deferred)
+    cut_store.proxy.restore()
+    retry = following.test_client().post("/pay", json={}, headers=KEY)
+    assert calls == [1], f"the view ran again: {retry.status_code} {retry.get_data()!r}"
+    assert left == 0 and len(spooled) == 1, (left, spooled)
+    wait_until(lambda: cut_store.states() == [COMPLETED], "the completion landed", within=5)
+    wait_until(lambda: stored, "response_stored sent by the next process", within=5)
+    assert stored[0]["status"] == 201 and stored[0]["route"] == "pay"
+    assert [d["outcome"] for d in landed] == ["landed"]
+    replay = following.test_client().post("/pay", json={}, headers=KEY)
+    assert replay.headers.get(REPLAYED) == "true" and replay.get_json() == {"run": 1}
+    assert _spooled(root) == [] and calls == [1]
+
+
+_ENDING = textwrap.dedent(
+    """
+    import sys
+    from flask import Flask, jsonify
+    from flask_idempotency import Idempotency, idempotent
+    from flask_idempotency.completion import deferred
+    from flask_idempotency.store import StoreError
+
+    database, spool_dir = sys.argv[1:3]
+    app = Flask("ending")
+    app.config.update(
+        IDEMPOTENCY_DATABASE_URI=f"sqlite:///{database}",
+        IDEMPOTENCY_SPOOL_DIR=spool_dir,
+        IDEMPOTENCY_LEASE=1,
+        IDEMPOTENCY_WAIT=0,
+    )
+    Idempotency(app)
+    store = app.extensions["idempotency"].store
+
+    def refused(*args, **kwargs):
+        raise StoreError("the database is failing over")
+
+    store.complete = refused  # every try of the completion fails until this process ends
+    deferred.FLUSH_TIMEOUT = 0.3
+
+    @app.post("/pay")
+    @idempotent
+    def pay():
+        return jsonify(run="ended process"), 201
+
+    answer = app.test_client().post("/pay", json={}, headers={"Idempotency-Key": "key-1"})
+    print(answer.status_code, deferred.pending(), flush=True)
+    """
+)
+
+
+def test_c59_a_process_that_ends_spools_its_settlement_at_exit_sqlite(
+    make_app: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real process ends (``atexit``, as gunicorn's workers do) with a completion the
+    store refused: the file is in the spool, and the next process lands it with its
+    signals; a retry there never runs the view."""
+    root = tmp_path / "spool"
+    database = tmp_path / "shared.sqlite3"
+    following, _ = make_app(
+        {
+            "IDEMPOTENCY_DATABASE_URI": f"sqlite:///{database}",
+            "IDEMPOTENCY_SPOOL_DIR": str(root),
+            "IDEMPOTENCY_LEASE": 1,
+            "IDEMPOTENCY_WAIT": 0,
+        }
+    )
+    ended = subprocess.run(
+        [sys.executable, "-c", _ENDING, str(database), str(root)],
+        cwd=REPO_ROOT,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ended.returncode == 0, ended.stderr
+    assert ended.stdout.split() == ["201", "1"], ended.stdout
+    assert "written to the host's spool" in ended.stderr, ended.stderr
+    calls: list[int] = []
+
+    @following.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        calls.append(1)
+        return jsonify(run="next process"), 201
+
+    stored = record(following, signals.response_stored)
+    store = following.extensions["idempotency"].store
+    table = store.table
+    with store.engine.connect() as conn:
+        expiry = conn.execute(select(table.c.lease_expires_at_ms)).scalar_one()
+    time.sleep(max(0.0, expiry / 1000 - time.time()) + 0.05)  # its lease lapsed meanwhile
+    client = following.test_client()
+    with caplog.at_level(logging.WARNING, logger="flask_idempotency"):
+        retry = client.post("/pay", json={}, headers=KEY)
+    assert calls == [], f"the view ran again: {retry.status_code} {retry.get_data()!r}"
+    wait_until(lambda: stored, "response_stored sent by the next process", within=5)
+    assert "adopted 1 settlement(s)" in caplog.text
+    replay = client.post("/pay", json={}, headers=KEY)
+    assert replay.get_json() == {"run": "ended process"} and replay.headers.get(REPLAYED)
+    assert _spooled(root) == [] and calls == []
+
+
+def _handover(n: int) -> spool.Handover:
+    ident = Identity("anonymous", f"{n:064x}", "f" * 64, "POST", "/pay")
+    return spool.Handover(
+        "complete",
+        Claim(n, f"token-{n}", 0, "new"),
+        ident,
+        1.0,
+        "pay",
+        give_up_at=time.time() + 60,
+        response=StoredResponse(201, (("Content-Type", "application/json"),), b"{}"),
+    )
+
+
+_TAKER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from flask_idempotency.completion import spool
+
+    where = Path(sys.argv[1])
+    while not (where / "go").exists():
+        time.sleep(0.001)
+    for handover, claimed in spool.take(where):
+        print(handover.claim.lock_token, flush=True)
+        spool.remove(claimed)
+    """
+)
+
+
+def test_c59_two_processes_racing_for_one_spool_take_each_settlement_once(
+    tmp_path: Path,
+) -> None:
+    """Every file is claimed by a rename, which one of two racing processes wins."""
+    where = spool.directory(tmp_path / "spool", "store")
+    for n in range(200):
+        spool.write(where, _handover(n))
+    takers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TAKER, str(where)],
+            cwd=REPO_ROOT,
+            env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    time.sleep(0.5)  # all three started and waiting
+    (where / "go").touch()
+    taken = [taker.communicate(timeout=60)[0].split() for taker in takers]
+    everything = [token for tokens in taken for token in tokens]
+    assert sorted(everything) == sorted(f"token-{n}" for n in range(200))
+    assert len(set(everything)) == len(everything) == 200
+    assert not list(where.glob("*.json"))
+
+
+def test_c59_a_torn_spool_file_is_set_aside_with_a_log_line(
+    make_app: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file that does not read back whole is never applied; the whole one beside it is."""
+    root = tmp_path / "spool"
+    app, _ = make_app({"IDEMPOTENCY_SPOOL_DIR": str(root)})
+    state = app.extensions["idempotency"]
+    where = deferred.spool_path(state)
+    assert where is not None
+    where = spool.directory(where.parent, where.name)
+    whole = spool.write(where, _handover(1))
+    torn = spool.write(where, _handover(2))
+    torn.write_bytes(torn.read_bytes()[:-40])  # a copy cut short
+    from flask_idempotency.completion import inherit
+
+    with caplog.at_level(logging.ERROR, logger="flask_idempotency"):
+        adopted = inherit.pick_up(state, app)
+    assert adopted == 1
+    assert "is not whole" in caplog.text and "set aside" in caplog.text
+    assert sorted(p.suffix for p in where.iterdir()) == [".torn"]
+    assert not whole.exists()
+    # The adopted one (its record does not exist here) is fenced: it changes nothing.
+    wait_until(lambda: deferred.pending() == 0, "the adopted settlement settled", within=5)
+
+
+def test_c59_a_settlement_deadline_is_on_the_monotonic_clock(
+    make_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner's start is taken on ``time.perf_counter()``; the renewer compares
+    deadlines with ``time.monotonic()``. Where the two clocks differ (the platform may
+    run them apart), a deadline mixing them gives a kept completion up at once (before:
+    ``gave-up`` on its first retry), or never."""
+    real = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: real() - 10_000.0)
+    app, _ = make_app({"IDEMPOTENCY_MAX_RUNTIME": 60})
+    store = app.extensions["idempotency"].store
+    complete = store.complete
+    refusals = [StoreError("failing over"), StoreError("failing over")]
+
+    def refused_twice(*args: Any, **kwargs: Any) -> Any:
+        if refusals:
+            raise refusals.pop()
+        return complete(*args, **kwargs)
+
+    monkeypatch.setattr(store, "complete", refused_twice)
+    outcomes = record(app, signals.settlement_deferred)
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        return jsonify(ok=True), 201
+
+    assert app.test_client().post("/pay", json={}, headers=KEY).status_code == 201
+    wait_until(lambda: deferred.pending() == 0, "the kept completion settled", within=10)
+    assert [o["outcome"] for o in outcomes] == ["deferred", "landed"]
+
+
+def test_c59_spooling_can_be_turned_off(make_app: Any) -> None:
+    app, _ = make_app({"IDEMPOTENCY_SPOOL_DIR": False})
+    assert deferred.spool_path(app.extensions["idempotency"]) is None
+    with pytest.raises(ValueError, match="IDEMPOTENCY_SPOOL_DIR"):
+        make_app({"IDEMPOTENCY_SPOOL_DIR": 3})
+    memory, _ = make_app({"IDEMPOTENCY_DATABASE_URI": "sqlite://"})
+    assert deferred.spool_path(memory.extensions["idempotency"]) is None
+
+
+def test_c59_a_spool_others_may_write_to_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "shared"
+    root.mkdir(mode=0o777)
+    root.chmod(0o777)
+    with pytest.raises(PermissionError, match="others may write"):
+        spool.directory(root, "store")
