@@ -21,7 +21,9 @@ renewed after those of running views, and the settlement is then tried at once o
 the settler's own thread, so a slow one (up to the statement deadline) never
 delays a renewal; while it waits, the other kept settlements' leases are still
 renewed here, so none lapses. A claim of this process never takes over a record
-whose settlement the process keeps (:func:`..process.keeps`).
+whose settlement the process keeps (:func:`..process.keeps`). A process that ends
+hands the settlements it still keeps on (:meth:`Renewer.hand_over`, the spool of
+:mod:`.deferred` and :mod:`.inherit`). Every deadline here is on ``time.monotonic()``.
 
 A renewal that finds the record no longer under the owner's token, or renewals
 that fail until the lease must have lapsed, are reported through the
