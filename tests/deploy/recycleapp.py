@@ -1,8 +1,9 @@
 """The app of the recycled-workers cell (tests/deploy/test_recycled_workers.py).
 
 Each execution of the protected view appends one line (key, pid) to ``EXEC_LOG``
-before it sleeps ``VIEW_SECONDS`` (the cell's own keys only), so the test counts executions across workers and
-their successors without the database (which is down for part of the run).
+before it sleeps ``VIEW_SECONDS`` (the cell's own keys only), so the test counts
+executions across workers and their successors without the database (which is
+down for part of the run).
 
 Environment: ``DATABASE_URL``, ``IDEM_TABLE``, ``IDEM_LEASE``, ``EXEC_LOG``,
 ``SPOOL_DIR`` (``off``: no spool), ``VIEW_SECONDS``.
