@@ -20,7 +20,10 @@ for one of two racing readers only, so no two processes adopt one settlement (we
 they to, the fenced write would still land once). A file that does not read back
 whole (a torn copy, a full disk, another format) is set aside under ``*.torn``
 with a log line, never applied. A claimed file whose claimer died before it had
-read it is taken again. The directory is made ``0700`` and its files ``0600``: they
+read it is taken again. A file is written only once its owner has stopped
+trying it (:meth:`.heartbeat.Renewer.hand_over`), so a reader need not wait for
+the writer to be gone: at worst the owner's last try, already on the wire, lands
+too, and the reader's fenced write then changes nothing. The directory is made ``0700`` and its files ``0600``: they
 hold stored response bodies and lock tokens, and a directory another user can write
 to is refused (its files could have been planted).
 

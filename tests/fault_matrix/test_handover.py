@@ -324,3 +324,80 @@ def test_c59_a_spool_others_may_write_to_is_refused(tmp_path: Path) -> None:
     root.chmod(0o777)
     with pytest.raises(PermissionError, match="others may write"):
         spool.directory(root, "store")
+
+
+@pytest.mark.postgres
+def test_c59_an_ended_process_hands_its_kept_release_on_and_the_next_lands_it(
+    cut_store: CutStore, tmp_path: Path
+) -> None:
+    """A view that answered 503 (its key to be given back) while the database went away:
+    the next process deletes the record and sends ``claim_released`` (before: dropped at
+    exit, no signal, the key held until its lease lapsed)."""
+    root = tmp_path / "spool"
+    config = {"IDEMPOTENCY_LEASE": 30, "IDEMPOTENCY_SPOOL_DIR": str(root)}
+
+    def pay() -> Any:
+        cut_store.proxy.cut()
+        return jsonify(error="try later"), 503
+
+    ending = cut_store.app(**config)
+    cut_store.store_table = ending.extensions["idempotency"].store.table
+    ending.post("/pay")(idempotent(pay))
+    following = cut_store.app(**config)
+    following.get("/other")(lambda: "ok")
+    assert ending.test_client().post("/pay", json={}, headers=KEY).status_code == 503
+    assert deferred.pending() == 1
+    deferred.flush(timeout=0.3)
+    _process_ended()
+    released = record(following, signals.claim_released)
+    cut_store.proxy.restore()
+    from flask_idempotency.completion import inherit
+
+    assert inherit.pick_up(following.extensions["idempotency"], following) == 1
+    wait_until(lambda: cut_store.states() == [], "the release landed", within=5)
+    wait_until(lambda: released, "claim_released sent by the next process", within=5)
+    assert released[0]["reason"] == "server-error" and released[0]["status"] == 503
+
+
+def test_c59_a_once_completion_is_handed_on_too(
+    make_app: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``once()`` work whose completion the store refused, its process ended: the next
+    process's ``once()`` adopts it before its claim, so the work is not done twice."""
+    database = tmp_path / "jobs.sqlite3"
+    config = {
+        "IDEMPOTENCY_DATABASE_URI": f"sqlite:///{database}",
+        "IDEMPOTENCY_SPOOL_DIR": str(tmp_path / "spool"),
+        "IDEMPOTENCY_LEASE": 1,
+        "IDEMPOTENCY_WAIT": 0,
+    }
+    ending, ending_ext = make_app(config)
+    following, following_ext = make_app(config)
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise StoreError("the database is failing over")
+
+    monkeypatch.setattr(ending.extensions["idempotency"].store, "complete", refused)
+    runs: list[str] = []
+    with ending.app_context(), ending_ext.once("mail:1") as run:
+        assert run.owned
+        runs.append("ended")
+        run.result = {"sent": "by the ended process"}
+    assert deferred.pending() == 1
+    deferred.flush(timeout=0.3)
+    _process_ended()
+    time.sleep(1.1)  # its lease lapsed meanwhile
+    stored = record(following, signals.response_stored)
+    with following.app_context():
+        try:
+            with following_ext.once("mail:1") as again:
+                if again.owned:
+                    runs.append("again")
+                    again.result = {"sent": "twice"}
+        except Exception as exc:  # JobInProgress while the adopted completion lands
+            assert type(exc).__name__ == "JobInProgress", exc
+        wait_until(lambda: stored, "the adopted completion landed", within=5)
+        with following_ext.once("mail:1") as replay:
+            assert not replay.owned and replay.result == {"sent": "by the ended process"}
+    assert runs == ["ended"]
+    assert stored[0]["route"] == "once:once"  # a job named by its default name
