@@ -23,9 +23,10 @@ with a log line, never applied. A claimed file whose claimer died before it had
 read it is taken again. A file is written only once its owner has stopped
 trying it (:meth:`.heartbeat.Renewer.hand_over`), so a reader need not wait for
 the writer to be gone: at worst the owner's last try, already on the wire, lands
-too, and the reader's fenced write then changes nothing. The directory is made ``0700`` and its files ``0600``: they
-hold stored response bodies and lock tokens, and a directory another user can write
-to is refused (its files could have been planted).
+too, and the reader's fenced write then changes nothing. The directory is made
+``0700`` and its files ``0600``: they hold stored response bodies and lock tokens,
+and a directory another user can write to is refused (its files could have been
+planted).
 
 What it cannot do: a host that dies with its spool (or a container whose spool is not
 on a volume its successor mounts) loses those settlements, and their keys run again
