@@ -16,6 +16,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,16 @@ from flask_idempotency.completion import deferred, heartbeat, spool
 from flask_idempotency.records import COMPLETED, Claim, Identity, StoredResponse
 from flask_idempotency.store import StoreError
 from tests import test_deferred
+from tests.fault_matrix import test_cut_statements
+from tests.fault_matrix.test_cut_statements import Cell, TableLock, _waiting_on
 from tests.support.gunicorn import REPO_ROOT
+from tests.support.tcp_proxy import TcpProxy
 from tests.support.waiting import wait_until
 from tests.test_deferred import CutStore, record
 from tests.test_lifecycle import KEY, REPLAYED
 
 cut_store = test_deferred.cut_store
+proxied_cell = test_cut_statements.proxied_cell
 
 
 def _lapsed_pg(db: CutStore) -> bool:
@@ -401,3 +406,56 @@ def test_c59_a_once_completion_is_handed_on_too(
             assert not replay.owned and replay.result == {"sent": "by the ended process"}
     assert runs == ["ended"]
     assert stored[0]["route"] == "once:once"  # a job named by its default name
+
+
+@pytest.mark.postgres
+def test_c59_the_kept_release_of_an_unanswered_claim_is_handed_on(
+    proxied_cell: tuple[Cell, TcpProxy], tmp_path: Path
+) -> None:
+    """C58's kept release (a claim that got no reply, committed later under a token
+    nobody holds) outlives its process: the next one deletes the record, and a retry
+    runs the view within moments instead of getting 409 for a lease (before: dropped at
+    exit; 409 until the 20 s lease lapsed, with psycopg2, whose cut claim commits)."""
+    cell, proxy = proxied_cell
+    config = {
+        "IDEMPOTENCY_WAIT": 0,
+        "IDEMPOTENCY_LEASE": 20,
+        "IDEMPOTENCY_SPOOL_DIR": str(tmp_path / "spool"),
+    }
+    calls: list[int] = []
+
+    def pay() -> Any:
+        calls.append(1)
+        return jsonify(n=len(calls)), 201
+
+    ending, following = cell.make(config), cell.make(config)
+    ending.post("/pay")(idempotent(pay))
+    following.post("/pay")(idempotent(pay))
+    table = ending.extensions["idempotency"].store.table.name
+    lock = TableLock(cell, table)
+    lock.start()
+    assert lock.locked.wait(10) and lock.error is None, lock.error
+    answers: list[Any] = []
+    request = threading.Thread(
+        target=lambda: answers.append(ending.test_client().post("/pay", json={"a": 1}, headers=KEY))
+    )
+    request.start()
+    wait_until(lambda: _waiting_on(cell.direct, table), "the claim queued on the lock")
+    proxy.stall()  # the network goes silent: the claim and its cancel get no reply
+    request.join(30)
+    assert answers and answers[0].status_code == 503, answers
+    assert deferred.pending() == 1
+    deferred.flush(timeout=0.3)  # the process ends while the network is silent
+    _process_ended()
+    lock.release.set()  # the queued claim commits now, on the server (psycopg2)
+    lock.join(10)
+    proxy.restore()
+    client = following.test_client()
+    statuses: list[int] = []
+
+    def runs() -> bool:
+        statuses.append(client.post("/pay", json={"a": 1}, headers=KEY).status_code)
+        return statuses[-1] == 201
+
+    wait_until(runs, "a retry on the next process runs the view", within=8)
+    assert calls == [1], statuses
