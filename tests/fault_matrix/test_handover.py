@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +123,11 @@ _ENDING = textwrap.dedent(
     from flask_idempotency.completion import deferred
     from flask_idempotency.store import StoreError
 
-    database, spool_dir = sys.argv[1:3]
+    url, table, spool_dir = sys.argv[1:4]
     app = Flask("ending")
     app.config.update(
-        IDEMPOTENCY_DATABASE_URI=f"sqlite:///{database}",
+        IDEMPOTENCY_DATABASE_URI=url,
+        IDEMPOTENCY_TABLE=table,
         IDEMPOTENCY_SPOOL_DIR=spool_dir,
         IDEMPOTENCY_LEASE=1,
         IDEMPOTENCY_WAIT=0,
@@ -150,56 +152,70 @@ _ENDING = textwrap.dedent(
 )
 
 
-def test_c59_a_process_that_ends_spools_its_settlement_at_exit_sqlite(
-    make_app: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("database", ["sqlite", pytest.param("mariadb", marks=pytest.mark.mysql)])
+def test_c59_a_process_that_ends_spools_its_settlement_at_exit(
+    database: str,
+    make_app: Any,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    request: pytest.FixtureRequest,
 ) -> None:
     """A real process ends (``atexit``, as gunicorn's workers do) with a completion the
     store refused: the file is in the spool, and the next process lands it with its
-    signals; a retry there never runs the view."""
+    signals; a retry there never runs the view (SQLite, and MariaDB through PyMySQL)."""
     root = tmp_path / "spool"
-    database = tmp_path / "shared.sqlite3"
+    table = f"idem_{uuid.uuid4().hex[:12]}"
+    if database == "sqlite":
+        url = f"sqlite:///{tmp_path / 'shared.sqlite3'}"
+    else:
+        url = request.getfixturevalue("mysql_url").render_as_string(hide_password=False)
     following, _ = make_app(
         {
-            "IDEMPOTENCY_DATABASE_URI": f"sqlite:///{database}",
+            "IDEMPOTENCY_DATABASE_URI": url,
+            "IDEMPOTENCY_TABLE": table,
             "IDEMPOTENCY_SPOOL_DIR": str(root),
             "IDEMPOTENCY_LEASE": 1,
             "IDEMPOTENCY_WAIT": 0,
         }
     )
-    ended = subprocess.run(
-        [sys.executable, "-c", _ENDING, str(database), str(root)],
-        cwd=REPO_ROOT,
-        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert ended.returncode == 0, ended.stderr
-    assert ended.stdout.split() == ["201", "1"], ended.stdout
-    calls: list[int] = []
-
-    @following.post("/pay")
-    @idempotent
-    def pay() -> Any:
-        calls.append(1)
-        return jsonify(run="next process"), 201
-
-    stored = record(following, signals.response_stored)
     store = following.extensions["idempotency"].store
-    table = store.table
-    with store.engine.connect() as conn:
-        expiry = conn.execute(select(table.c.lease_expires_at_ms)).scalar_one()
-    time.sleep(max(0.0, expiry / 1000 - time.time()) + 0.05)  # its lease lapsed meanwhile
-    client = following.test_client()
-    with caplog.at_level(logging.WARNING, logger="flask_idempotency"):
-        retry = client.post("/pay", json={}, headers=KEY)
-    assert calls == [], f"the view ran again: {retry.status_code} {retry.get_data()!r}"
-    assert "written to the host's spool" in ended.stderr, ended.stderr
-    wait_until(lambda: stored, "response_stored sent by the next process", within=5)
-    assert "adopted 1 settlement(s)" in caplog.text
-    replay = client.post("/pay", json={}, headers=KEY)
-    assert replay.get_json() == {"run": "ended process"} and replay.headers.get(REPLAYED)
-    assert _spooled(root) == [] and calls == []
+    try:
+        ended = subprocess.run(
+            [sys.executable, "-c", _ENDING, url, table, str(root)],
+            cwd=REPO_ROOT,
+            env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert ended.returncode == 0, ended.stderr
+        assert ended.stdout.split() == ["201", "1"], ended.stdout
+        calls: list[int] = []
+
+        @following.post("/pay")
+        @idempotent
+        def pay() -> Any:
+            calls.append(1)
+            return jsonify(run="next process"), 201
+
+        stored = record(following, signals.response_stored)
+        with store.engine.connect() as conn:
+            expiry = conn.execute(select(store.table.c.lease_expires_at_ms)).scalar_one()
+        time.sleep(max(0.0, expiry / 1000 - time.time()) + 0.05)  # its lease lapsed meanwhile
+        client = following.test_client()
+        with caplog.at_level(logging.WARNING, logger="flask_idempotency"):
+            retry = client.post("/pay", json={}, headers=KEY)
+        assert calls == [], f"the view ran again: {retry.status_code} {retry.get_data()!r}"
+        assert "written to the host's spool" in ended.stderr, ended.stderr
+        wait_until(lambda: stored, "response_stored sent by the next process", within=5)
+        assert "adopted 1 settlement(s)" in caplog.text
+        replay = client.post("/pay", json={}, headers=KEY)
+        assert replay.get_json() == {"run": "ended process"} and replay.headers.get(REPLAYED)
+        assert _spooled(root) == [] and calls == []
+    finally:
+        if database == "mariadb":
+            for t in (store.table, store.identity_table):
+                t.drop(store.engine, checkfirst=True)
 
 
 def _handover(n: int) -> spool.Handover:
