@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import signals
@@ -39,8 +42,13 @@ log = logging.getLogger("flask_idempotency")
 
 #: Seconds between two looks at the spool of one store, per process.
 SCAN_EVERY = 1.0
-#: Per store (by id), when this process looks at its spool next (monotonic).
-_next_scan: dict[int, float] = {}
+#: Per store (by id): when this process looks at its spool next (monotonic), where the
+#: spool is (``None``: it has none), and the store, weakly (an id may be reused, and a
+#: short-lived app must be freed, C47).
+_next_scan: dict[int, tuple[float, Path | None, Callable[[], object]]] = {}
+_NEVER: tuple[float, Path | None, Callable[[], object]] = (0.0, None, lambda: None)
+#: Stores :data:`_next_scan` remembers at most.
+_SCANS_KEPT = 256
 
 
 class Heir:
@@ -99,13 +107,19 @@ def pick_up(state: AppState, app: Flask) -> int:
     :data:`SCAN_EVERY`; how many were adopted (an ERROR line, never an exception, when
     the spool cannot be read)."""
     now = time.monotonic()
-    if now < _next_scan.get(id(state.store), 0.0):
+    store = state.store
+    due, where, of = _next_scan.get(id(store), _NEVER)
+    known = of() is store
+    if now < due and known:
         return 0
-    _next_scan[id(state.store)] = now + SCAN_EVERY
-    try:
+    if not known:  # first look (the path is worked out once per store)
+        if len(_next_scan) >= _SCANS_KEPT:  # stores come and go (tests, app factories)
+            _next_scan.clear()
         where = deferred.spool_path(state)
-        if where is None:
-            return 0
+    _next_scan[id(store)] = (now + SCAN_EVERY, where, of if known else weakref.ref(store))
+    if where is None:
+        return 0
+    try:
         adopted = 0
         for handover, claimed in spool.take(where):
             if adopt(state, app, handover):

@@ -4,7 +4,8 @@ A process that ends with kept settlements (gunicorn's ``--max-requests``, a grac
 restart, SIGTERM) writes them to the host's spool at exit; the next process of the
 app on the host adopts them before its next claim, renews their leases, lands them
 and sends their signals. The cells: the exit hands on (PostgreSQL on both drivers
-through a cut proxy, and a real ended process on SQLite), two processes racing for
+through a cut proxy, and a real ended process on SQLite and MariaDB), a kept release
+and the release of an unanswered claim, ``once()`` work, three processes racing for
 one spool adopt each file once, a torn file is set aside with a log line, and the
 settlement's deadline is kept on one clock. The real deployment (gunicorn workers
 recycled during an outage) is tests/deploy/test_recycled_workers.py.
