@@ -14,12 +14,14 @@ the completion when it lands.
 
 A process that ends does not drop them (C59). A clean shutdown (``atexit``, which
 gunicorn's workers run when ``--max-requests`` recycles them, on a graceful restart
-or deploy, on SIGTERM) gives pending ones :data:`FLUSH_TIMEOUT` seconds to land,
-with their promotion, wake-up and signals; those still pending then are written to
-the host's spool (:mod:`.spool`), and the next process of the app on the host
-adopts them (:mod:`.inherit`): each is a write fenced by its key and lock token,
-which anyone may apply later and at most one application of which changes
-anything. Only a process killed outright (SIGKILL, the OOM killer) or a host that
+or deploy, on SIGTERM) first writes each pending one to the host's spool
+(:mod:`.spool`) under a name that keeps it this process's while it lives, then gives
+them :data:`FLUSH_TIMEOUT` seconds to land here, with their promotion, wake-up and
+signals (a landed one's file is removed), and hands the rest on; the next process of
+the app on the host adopts them (:mod:`.inherit`), also when this one was killed in
+the middle of that wait. Each is a write fenced by its key and lock token, which
+anyone may apply later and at most one application of which changes anything. Only
+a process killed outright before its exit (SIGKILL, the OOM killer) or a host that
 dies with its spool leaves the window open: those records lapse after one lease
 and the next retry runs the view again (docs/guarantees.md). Memory is bounded: a
 process keeps at most :data:`MAX_PENDING` settlements and
@@ -36,6 +38,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -165,13 +168,19 @@ def _keep(
 ) -> bool:
     digest = owner.ident.key_digest[:16]
     settings = owner.state.settings
+    where = spool_path(owner.state) if handover is not None else None
+    slot = None if where is None or handover is None else _Spooled(where, handover)
 
     def on_landed(result: Any) -> None:
+        if slot is not None:
+            slot.finished()  # before what follows: the write is what must not be redone
         log.info("idempotency: the deferred %s of %s landed", action, digest)
         owner.emit(signals.settlement_deferred, action=action, outcome="landed", pending=pending())
         landed(result)
 
     def on_gave_up(last: BaseException) -> None:
+        if slot is not None:
+            slot.finished()
         log.error(
             "idempotency: gave up the deferred %s of %s at IDEMPOTENCY_MAX_RUNTIME: %s",
             action,
@@ -180,15 +189,8 @@ def _keep(
         )
         owner.emit(signals.settlement_deferred, action=action, outcome="gave-up", pending=pending())
 
-    where = spool_path(owner.state) if handover is not None else None
     settlement = Settlement(
-        action,
-        attempt,
-        on_landed,
-        on_gave_up,
-        size=size,
-        deadline=deadline,
-        handover=None if where is None else (where, handover, deadline),
+        action, attempt, on_landed, on_gave_up, size=size, deadline=deadline, handover=slot
     )
     entry = heartbeat.Lease(
         owner.state.store,
@@ -210,14 +212,26 @@ def pending() -> int:
 
 
 def flush(timeout: float | None = None) -> int:
-    """Try every pending settlement now; wait up to ``timeout`` (:data:`FLUSH_TIMEOUT`);
-    hand on to the spool those that could not land; how many are left."""
+    """Hand on what is pending, then try it for up to ``timeout`` (:data:`FLUSH_TIMEOUT`);
+    how many are left and dropped.
+
+    Each settlement that can be handed on is written to the spool first, under a name
+    that keeps it this process's while it lives; one that lands meanwhile has its file
+    removed, and the rest are handed on to any process when the wait is over. A process
+    killed during the wait (a graceful timeout shorter than the flush, a SIGKILL)
+    therefore drops nothing: its files are taken once it is gone.
+    """
     renewer = heartbeat.renewer()
     if not renewer.pending:
         return 0
+    for settlement in renewer.kept():
+        if isinstance(settlement.handover, _Spooled):
+            settlement.handover.write(settlement)
     left = renewer.flush(FLUSH_TIMEOUT if timeout is None else timeout)
     if left:
-        handed = _spool(renewer.hand_over())
+        handed = 0
+        for settlement in renewer.hand_over():
+            handed += settlement.handover.publish()
         if handed:
             log.warning(
                 "idempotency: %d deferred settlement(s) had not landed when this process"
@@ -251,29 +265,56 @@ def spool_path(state: AppState) -> Path | None:
     return root / key
 
 
-def _spool(settlements: list[Settlement]) -> int:
-    """Write each settlement to its store's spool; how many were written (the others are
-    logged with the reason and dropped)."""
-    written = 0
-    for settlement in settlements:
-        where, handover, deadline = settlement.handover
+class _Spooled:
+    """A kept settlement's way to the spool: its file, once written at exit."""
+
+    def __init__(self, where: Path, handover: spool.Handover) -> None:
+        self.where = where
+        self.handover = handover
+        self.file: Path | None = None
+        self.done = False
+        self._lock = threading.Lock()
+
+    def write(self, settlement: Settlement) -> None:
+        """Write it to the spool, still this process's (an ERROR line if it cannot be)."""
         handover = dataclasses.replace(
-            handover, give_up_at=time.time() + (deadline - time.monotonic())
+            self.handover, give_up_at=time.time() + (settlement.deadline - time.monotonic())
         )
-        try:
-            spool.write(spool.directory(where.parent, where.name), handover)
-        except OSError as exc:
-            log.error(
-                "idempotency: could not write the deferred %s of %s to the spool %s (%s);"
-                " its key runs again once its lease lapses",
-                settlement.action,
-                handover.ident.key_digest[:16],
-                where,
-                exc,
-            )
-            continue
-        written += 1
-    return written
+        with self._lock:
+            if self.done or self.file is not None:
+                return
+            try:
+                directory = spool.directory(self.where.parent, self.where.name)
+                self.file = spool.write(directory, handover, leaving=True)
+            except OSError as exc:
+                log.error(
+                    "idempotency: could not write the deferred %s of %s to the spool %s (%s);"
+                    " its key runs again once its lease lapses if this process ends first",
+                    settlement.action,
+                    handover.ident.key_digest[:16],
+                    self.where,
+                    exc,
+                )
+
+    def publish(self) -> int:
+        """Hand it on to any process now; 1 if it was, 0 if it had no file."""
+        with self._lock:
+            if self.file is None or self.done:
+                return 0
+            try:
+                self.file = spool.publish(self.file)
+            except OSError as exc:
+                log.error("idempotency: could not hand on %s (%s)", self.file, exc)
+                return 0
+            return 1
+
+    def finished(self) -> None:
+        """It landed or was given up here: no other process must try it."""
+        with self._lock:
+            self.done = True
+            if self.file is not None:
+                spool.remove(self.file)
+                self.file = None
 
 
 _registered: list[bool] = []

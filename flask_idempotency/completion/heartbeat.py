@@ -295,6 +295,11 @@ class Renewer:
                 self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
             return self.pending
 
+    def kept(self) -> list[Settlement]:
+        """Every settlement this process keeps now."""
+        with self._cond:
+            return [lease.settlement for lease in self._leases if lease.settlement is not None]
+
     def hand_over(self) -> list[Settlement]:
         """Stop keeping every settlement that can be handed on, and return them (the exit
         flush spools them, :mod:`.deferred`): this process no longer tries them, renews

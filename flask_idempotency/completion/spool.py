@@ -20,10 +20,13 @@ for one of two racing readers only, so no two processes adopt one settlement (we
 they to, the fenced write would still land once). A file that does not read back
 whole (a torn copy, a full disk, another format) is set aside under ``*.torn``
 with a log line, never applied. A claimed file whose claimer died before it had
-read it is taken again. A file is written only once its owner has stopped
-trying it (:meth:`.heartbeat.Renewer.hand_over`), so a reader need not wait for
-the writer to be gone: at worst the owner's last try, already on the wire, lands
-too, and the reader's fenced write then changes nothing. The directory is made
+read it is taken again. An ending process writes its files before its exit flush,
+named as its own (``*.leaving-<pid>``): no other process takes one while that process
+lives, and once it is gone (ended, or killed in the middle of the flush by a
+supervisor's grace period) any process does. A file that has landed meanwhile is
+removed; the rest are renamed for anyone to take once the owner stops trying them
+(:meth:`.heartbeat.Renewer.hand_over`): at worst the owner's last try, already on
+the wire, lands too, and the reader's fenced write then changes nothing. The directory is made
 ``0700`` and its files ``0600``: they hold stored response bodies and lock tokens,
 and a directory another user can write to is refused (its files could have been
 planted).
@@ -55,6 +58,7 @@ log = logging.getLogger("flask_idempotency")
 VERSION = 1
 _SUFFIX = ".json"
 _TAKEN = ".taken-"
+_LEAVING = ".leaving-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,11 +188,15 @@ def directory(root: Path, key: str) -> Path:
     return path
 
 
-def write(path: Path, handover: Handover) -> Path:
-    """Write one settlement into the store's directory ``path``, whole or not at all."""
+def write(path: Path, handover: Handover, *, leaving: bool = False) -> Path:
+    """Write one settlement into the store's directory ``path``, whole or not at all.
+
+    ``leaving``: under a name that marks it as still this process's (``*.leaving-<pid>``),
+    which no other process takes while this one lives (:func:`publish` hands it on now).
+    """
     name = f"{int(handover.give_up_at)}-{os.getpid()}-{secrets.token_hex(8)}"
     tmp = path / f".{name}.tmp"
-    final = path / f"{name}{_SUFFIX}"
+    final = path / (f"{name}{_LEAVING}{os.getpid()}" if leaving else f"{name}{_SUFFIX}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -203,6 +211,14 @@ def write(path: Path, handover: Handover) -> Path:
             pass
         raise
     _sync_directory(path)
+    return final
+
+
+def publish(leaving: Path) -> Path:
+    """Hand a file written with ``leaving=True`` on to any process now."""
+    final = leaving.with_name(leaving.name.split(_LEAVING)[0] + _SUFFIX)
+    os.replace(leaving, final)
+    _sync_directory(leaving.parent)
     return final
 
 
@@ -223,11 +239,13 @@ def take(path: Path) -> Iterator[tuple[Handover, Path]]:
     for name in sorted(names):
         if name.endswith(_SUFFIX):
             source = name
-        elif _TAKEN in name and _claimer_gone(name):
-            source = name  # its claimer died before it had read it: ours now
+        elif _TAKEN in name and _claimer_gone(name, _TAKEN, mine=True):
+            source = name  # its claimer died before it had read it (or it is ours)
+        elif _LEAVING in name and _claimer_gone(name, _LEAVING, mine=False):
+            source = name  # its process was killed in its exit flush: handed on
         else:
             continue  # a temporary file being written, a torn one, another's claim
-        stem = name.split(_TAKEN)[0]
+        stem = name.split(_TAKEN)[0].split(_LEAVING)[0].removesuffix(_SUFFIX)
         claimed = path / f"{stem}{_TAKEN}{me}"
         try:
             os.rename(path / source, claimed)
@@ -256,13 +274,14 @@ def remove(claimed: Path) -> None:
         pass
 
 
-def _claimer_gone(name: str) -> bool:
+def _claimer_gone(name: str, marker: str, *, mine: bool) -> bool:
+    """Whether the process named after ``marker`` is gone (or is this one, if ``mine``)."""
     try:
-        pid = int(name.rsplit(_TAKEN, 1)[1])
+        pid = int(name.rsplit(marker, 1)[1])
     except ValueError:
         return False
     if pid == os.getpid():
-        return True
+        return mine
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -28,7 +28,7 @@ from flask import jsonify
 from sqlalchemy import func, select
 
 from flask_idempotency import idempotent, process, signals
-from flask_idempotency.completion import deferred, heartbeat, spool
+from flask_idempotency.completion import deferred, heartbeat, inherit, spool
 from flask_idempotency.records import COMPLETED, Claim, Identity, StoredResponse
 from flask_idempotency.store import StoreError
 from tests import test_deferred
@@ -124,7 +124,7 @@ _ENDING = textwrap.dedent(
     from flask_idempotency.completion import deferred
     from flask_idempotency.store import StoreError
 
-    url, table, spool_dir = sys.argv[1:4]
+    url, table, spool_dir, flush_seconds = sys.argv[1:5]
     app = Flask("ending")
     app.config.update(
         IDEMPOTENCY_DATABASE_URI=url,
@@ -140,7 +140,7 @@ _ENDING = textwrap.dedent(
         raise StoreError("the database is failing over")
 
     store.complete = refused  # every try of the completion fails until this process ends
-    deferred.FLUSH_TIMEOUT = 0.3
+    deferred.FLUSH_TIMEOUT = float(flush_seconds)
 
     @app.post("/pay")
     @idempotent
@@ -182,7 +182,7 @@ def test_c59_a_process_that_ends_spools_its_settlement_at_exit(
     store = following.extensions["idempotency"].store
     try:
         ended = subprocess.run(
-            [sys.executable, "-c", _ENDING, url, table, str(root)],
+            [sys.executable, "-c", _ENDING, url, table, str(root), "0.3"],
             cwd=REPO_ROOT,
             env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
             capture_output=True,
@@ -217,6 +217,54 @@ def test_c59_a_process_that_ends_spools_its_settlement_at_exit(
         if database == "mariadb":
             for t in (store.table, store.identity_table):
                 t.drop(store.engine, checkfirst=True)
+
+
+def test_c59_a_process_killed_during_its_exit_flush_still_hands_on(
+    make_app: Any, tmp_path: Path
+) -> None:
+    """The exit flush waits up to 10 s; a supervisor may not (gunicorn's graceful
+    timeout, Kubernetes' grace period: SIGKILL). The settlement is in the spool before
+    the wait begins, as this process's while it lives, and the next process adopts it
+    once it is gone (before: written only after the wait, so the kill dropped it)."""
+    root = tmp_path / "spool"
+    url = f"sqlite:///{tmp_path / 'shared.sqlite3'}"
+    table = "idempotency_keys"
+    following, _ = make_app(
+        {"IDEMPOTENCY_DATABASE_URI": url, "IDEMPOTENCY_SPOOL_DIR": str(root), "IDEMPOTENCY_WAIT": 0}
+    )
+    ending = subprocess.Popen(
+        [sys.executable, "-c", _ENDING, url, table, str(root), "60"],
+        cwd=REPO_ROOT,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert ending.stdout is not None
+        assert ending.stdout.readline().split() == ["201", "1"]
+        wait_until(lambda: list(root.rglob("*.leaving-*")), "the file, before the wait")
+        state = following.extensions["idempotency"]
+        assert inherit.pick_up(state, following) == 0  # not while its process lives
+    finally:
+        ending.kill()  # in the middle of its exit flush
+        ending.communicate(timeout=10)  # (closes its pipes)
+    calls: list[int] = []
+
+    @following.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        calls.append(1)
+        return jsonify(run="next process"), 201
+
+    stored = record(following, signals.response_stored)
+    inherit._next_scan.clear()  # look again now, not in a second
+    retry = following.test_client().post("/pay", json={}, headers=KEY)
+    assert retry.status_code == 409, retry.get_data()  # kept here now: no takeover
+    wait_until(lambda: stored, "the handed-on completion landed", within=5)
+    replay = following.test_client().post("/pay", json={}, headers=KEY)
+    assert replay.get_json() == {"run": "ended process"}
+    assert calls == [] and _spooled(root) == [] and not list(root.rglob("*.leaving-*"))
 
 
 def _handover(n: int) -> spool.Handover:
@@ -287,8 +335,6 @@ def test_c59_a_torn_spool_file_is_set_aside_with_a_log_line(
     whole = spool.write(where, _handover(1))
     torn = spool.write(where, _handover(2))
     torn.write_bytes(torn.read_bytes()[:-40])  # a copy cut short
-    from flask_idempotency.completion import inherit
-
     with caplog.at_level(logging.ERROR, logger="flask_idempotency"):
         adopted = inherit.pick_up(state, app)
     assert adopted == 1
@@ -373,8 +419,6 @@ def test_c59_an_ended_process_hands_its_kept_release_on_and_the_next_lands_it(
     _process_ended()
     released = record(following, signals.claim_released)
     cut_store.proxy.restore()
-    from flask_idempotency.completion import inherit
-
     assert inherit.pick_up(following.extensions["idempotency"], following) == 1
     wait_until(lambda: cut_store.states() == [], "the release landed", within=5)
     wait_until(lambda: released, "claim_released sent by the next process", within=5)
