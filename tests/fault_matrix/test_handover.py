@@ -520,3 +520,44 @@ def test_c59_the_kept_release_of_an_unanswered_claim_is_handed_on(
 
     wait_until(runs, "a retry on the next process runs the view", within=8)
     assert calls == [1], statuses
+
+
+def test_c59_a_try_under_way_when_the_process_hands_on_is_finished_here_once(
+    make_app: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exit flush hands a settlement on while its try is still on the wire, and
+    that try lands: what follows it runs here, once, its spool file is withdrawn, and
+    the process's counts stay true (no settlement counted twice out)."""
+    root = tmp_path / "spool"
+    app, _ = make_app({"IDEMPOTENCY_SPOOL_DIR": str(root)})
+    store = app.extensions["idempotency"].store
+    complete = store.complete
+    tries: list[int] = []
+    under_way, go_on = threading.Event(), threading.Event()
+
+    def slow_second_try(*args: Any, **kwargs: Any) -> Any:
+        tries.append(1)
+        if len(tries) == 1:
+            raise StoreError("failing over")
+        under_way.set()
+        go_on.wait(10)
+        return complete(*args, **kwargs)
+
+    monkeypatch.setattr(store, "complete", slow_second_try)
+    stored = record(app, signals.response_stored)
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        return jsonify(ok=True), 201
+
+    assert app.test_client().post("/pay", json={}, headers=KEY).status_code == 201
+    assert under_way.wait(10)
+    assert deferred.flush(timeout=0.2) == 0  # handed on while the try is on the wire
+    assert len(_spooled(root)) == 1
+    go_on.set()
+    wait_until(lambda: stored, "what follows the landed try ran here", within=5)
+    renewer = heartbeat.renewer()
+    wait_until(lambda: renewer.finishing == 0, "its callbacks finished", within=5)
+    assert (renewer.pending, renewer.pending_bytes, len(stored)) == (0, 0, 1)
+    assert _spooled(root) == []  # withdrawn: no other process tries it
