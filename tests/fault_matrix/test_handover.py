@@ -9,6 +9,20 @@ and the release of an unanswered claim, ``once()`` work, three processes racing 
 one spool adopt each file once, a torn file is set aside with a log line, and the
 settlement's deadline is kept on one clock. The real deployment (gunicorn workers
 recycled during an outage) is tests/deploy/test_recycled_workers.py.
+
+The fault "the process exits with settlements pending", by write and database:
+
+==========================  ==========  ==========  ==========  =====================
+write                       psycopg2    psycopg 3   MariaDB     SQLite
+==========================  ==========  ==========  ==========  =====================
+complete (a view's)         cut proxy   cut proxy   ended proc  ended proc; killed in
+                                                                its flush; try under
+                                                                way at hand-over
+complete (``once()``)       .           .           .           in process
+release (a view's)          cut proxy   cut proxy   .           .
+release of a claim that     stalled     stalled     .           .
+got no reply (C58)          proxy       proxy
+==========================  ==========  ==========  ==========  =====================
 """
 
 from __future__ import annotations
