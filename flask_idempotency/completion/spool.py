@@ -56,6 +56,8 @@ log = logging.getLogger("flask_idempotency")
 
 #: The format of a spooled settlement; a file of another version is set aside, not read.
 VERSION = 1
+#: What a spooled settlement does.
+ACTIONS = ("complete", "release", "release-unanswered")
 _SUFFIX = ".json"
 _TAKEN = ".taken-"
 _LEAVING = ".leaving-"
@@ -135,6 +137,8 @@ class Handover:
             p = json.loads(body)
             if p["v"] != VERSION:
                 raise ValueError(f"format version {p['v']!r}, not {VERSION}")
+            if p["action"] not in ACTIONS or (p["action"] == "complete") != bool(p["response"]):
+                raise ValueError(f"no settlement this version knows: {p['action']!r}")
             response = p["response"]
             return cls(
                 action=str(p["action"]),
