@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -144,6 +145,12 @@ class Settings:
     heartbeat: bool = True
     #: Seconds after its claim that an owner stops renewing, so a hung view lets go (C44).
     max_runtime: float = 900.0
+    #: Where a process that ends (recycled, restarted, deployed) leaves the settlements
+    #: the store has not accepted yet, for the next process of the app on this host to
+    #: land (C59): a directory on a disk that outlives the process (a volume the next
+    #: container mounts, in a container). ``None``: ``flask-idempotency-spool-<uid>`` in
+    #: the system's temporary directory. ``False``: no spool; they are dropped at exit.
+    spool_dir: str | bool | None = None
     #: Key of the default scope's digest of the ``Authorization`` header: an HMAC, so the
     #: stored scope gives nothing to a wordlist (C30). ``None``: the app's ``SECRET_KEY``;
     #: without either, a secret the store keeps in its own database (C63). Set it to keep
@@ -238,9 +245,18 @@ class Settings:
             raise ValueError(  # the value may be a secret: never in the message
                 f"IDEMPOTENCY_SCOPE_SECRET must be a non-empty string or bytes; it is {what}."
             )
+        spool_dir = self.spool_dir
+        if spool_dir is not None and spool_dir is not False:
+            if not isinstance(spool_dir, (str, os.PathLike)) or not str(spool_dir):
+                raise ValueError(
+                    "IDEMPOTENCY_SPOOL_DIR must be a directory's path, None (the default"
+                    " place) or False (no spool)."
+                )
+            spool_dir = os.fspath(spool_dir)
         return dataclasses.replace(
             self,
             enabled=enabled,
+            spool_dir=spool_dir,
             metrics=_metrics(self.metrics),
             tracing=_flag(self.tracing, "IDEMPOTENCY_TRACING"),
             methods=methods,

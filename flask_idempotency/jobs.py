@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from flask import current_app
 
 from . import signals
-from .completion import deferred, heartbeat
+from .completion import deferred, heartbeat, inherit, spool
 from .completion import unit as atomic
 from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, decide
 from .fingerprint import _digest, key_digest
@@ -277,6 +277,7 @@ class Once:
         run._atomic = self._atomic
         run._lease_seconds = lease
         run._app = current_app._get_current_object()  # type: ignore[attr-defined]
+        inherit.pick_up(state, run._app)  # C59: what an ended process handed on, first
         verdict = decide(
             lambda: state.look_up(ident, ttl=ttl, lease=lease, guard_locks=run._atomic),
             ident.fingerprint,
@@ -365,6 +366,7 @@ class Once:
                     functools.partial(_completion_landed, run, stored, omitted),
                     size=len(stored.body),
                     error=exc,
+                    handover=_handover(run, "complete", response=stored),
                 ):
                     raise
                 return
@@ -413,9 +415,16 @@ class Once:
                 lambda released: _released(run, bool(released), reason),
                 size=0,
                 error=exc,
+                handover=_handover(run, "release", reason=reason),
             )
             return
         _released(run, released, reason)
+
+
+def _handover(run: Run, action: str, **what: Any) -> spool.Handover:
+    """What another process needs to land this settlement once this one ended (C59)."""
+    route = "once:" + run.ident.path
+    return spool.Handover(action, run.claim, run.ident, run.lease_seconds, route, **what)
 
 
 def _released(run: Run, released: bool, reason: str) -> None:

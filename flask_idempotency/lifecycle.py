@@ -32,8 +32,8 @@ from flask import Flask, Response, after_this_request, current_app, has_request_
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from . import forms, misuse, request_body, signals
+from .completion import inherit, unanswered
 from .completion import settle as completion
-from .completion import unanswered
 from .completion.ownership import Ownership
 from .config import EffectiveOptions, RouteOptions
 from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, decide
@@ -250,6 +250,7 @@ def _decide_request(
     guard_locks = options.atomic
 
     def look_up() -> tuple[Outcome, str]:
+        inherit.pick_up(state, app)  # C59: what an ended process handed on, before the claim
         try:
             return state.look_up(
                 ident, ttl=options.ttl, lease=options.lease, guard_locks=guard_locks

@@ -323,6 +323,19 @@ def _no_listener_outlives_its_test() -> Iterator[None]:
     listener.stop_all()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _spool_of_the_session(tmp_path_factory: Any) -> Iterator[None]:
+    """Settlements an exit flush hands on (C59) go to a directory of this run, never to
+    the host's default spool, where another run could adopt them."""
+    from flask_idempotency.completion import spool
+
+    root = tmp_path_factory.mktemp("spool")
+    default_root = spool.default_root
+    spool.default_root = lambda: root  # type: ignore[assignment]
+    yield
+    spool.default_root = default_root  # type: ignore[assignment]
+
+
 @pytest.fixture(autouse=True)
 def _no_settlement_outlives_its_test() -> Iterator[None]:
     """A settlement a test left pending (its store cut off for good) is given a moment to

@@ -12,33 +12,57 @@ another owner's (the write is fenced by the lock token, C14), or
 arriving in between parks or gets 409 as for any key in flight, and is woken by
 the completion when it lands.
 
-Only a process that dies with settlements pending leaves the window open: its
-records lapse after one lease and the next retry runs the view again
-(docs/guarantees.md). Memory is bounded: a process keeps at most
-:data:`MAX_PENDING` settlements and :data:`MAX_PENDING_BYTES` of bodies; past
-that a settlement is dropped as before, with a log line and the
-``settlement_deferred`` signal (outcome ``"refused"``). A clean shutdown
-(``atexit``, which gunicorn's workers run) gives pending ones
-:data:`FLUSH_TIMEOUT` seconds to land.
+A process that ends does not drop them (C59). A clean shutdown (``atexit``, which
+gunicorn's workers run when ``--max-requests`` recycles them, on a graceful restart
+or deploy, on SIGTERM) first writes each pending one to the host's spool
+(:mod:`.spool`) under a name that keeps it this process's while it lives, then gives
+them :data:`FLUSH_TIMEOUT` seconds to land here, with their promotion, wake-up and
+signals (a landed one's file is removed), and hands the rest on; the next process of
+the app on the host adopts them (:mod:`.inherit`), also when this one was killed in
+the middle of that wait. Each is a write fenced by its key and lock token, which
+anyone may apply later and at most one application of which changes anything. Only
+a process killed outright before its exit (SIGKILL, the OOM killer) or a host that
+dies with its spool leaves the window open: those records lapse after one lease
+and the next retry runs the view again (docs/guarantees.md). Memory is bounded: a
+process keeps at most :data:`MAX_PENDING` settlements and
+:data:`MAX_PENDING_BYTES` of bodies; past that a settlement is dropped as before,
+with a log line and the ``settlement_deferred`` signal (outcome ``"refused"``).
+
+Deadlines are on the monotonic clock, the renewer's: an owner's start, taken on
+``time.perf_counter()`` for the signals' durations, is carried over as time elapsed,
+never compared across the two clocks (the platform may run them apart).
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import signals
 from ..records import Claim, Identity
 from ..store import StoreError
-from . import heartbeat
+from . import heartbeat, spool
 from .heartbeat import MAX_PENDING, MAX_PENDING_BYTES, Settlement
 
 if TYPE_CHECKING:
     from ..state import AppState
 
-__all__ = ["MAX_PENDING", "MAX_PENDING_BYTES", "Owner", "flush", "keep", "pending"]
+__all__ = [
+    "MAX_PENDING",
+    "MAX_PENDING_BYTES",
+    "Owner",
+    "adopt",
+    "begun",
+    "flush",
+    "keep",
+    "pending",
+]
 
 log = logging.getLogger("flask_idempotency")
 
@@ -79,53 +103,23 @@ def keep(
     *,
     size: int,
     error: StoreError,
+    handover: spool.Handover | None = None,
 ) -> bool:
     """Keep a settlement the store refused (``error``) and retry it in the background.
 
     ``attempt`` is the fenced write; ``landed(result)`` what follows it once it
-    succeeded. ``False`` when the process keeps too many already: the settlement
-    is dropped, as before deferral existed (logged, signalled).
+    succeeded; ``handover`` what another process needs to land it once this one has
+    ended (without it, the settlement is dropped at exit). ``False`` when the process
+    keeps too many already: the settlement is dropped, as before deferral existed
+    (logged, signalled).
     """
-    digest = owner.ident.key_digest[:16]
-    settings = owner.state.settings
     owner.emit(signals.store_error, tier="database", error=str(error), action=action)
-
-    def on_landed(result: Any) -> None:
-        log.info("idempotency: the deferred %s of %s landed", action, digest)
-        owner.emit(signals.settlement_deferred, action=action, outcome="landed", pending=pending())
-        landed(result)
-
-    def on_gave_up(last: BaseException) -> None:
-        log.error(
-            "idempotency: gave up the deferred %s of %s at IDEMPOTENCY_MAX_RUNTIME: %s",
-            action,
-            digest,
-            last,
-        )
-        owner.emit(signals.settlement_deferred, action=action, outcome="gave-up", pending=pending())
-
-    settlement = Settlement(
-        action,
-        attempt,
-        on_landed,
-        on_gave_up,
-        size=size,
-        deadline=owner.started + settings.max_runtime,
-    )
-    entry = heartbeat.Lease(
-        owner.state.store,
-        owner.claim,
-        owner.lease_seconds,
-        settings.max_runtime,
-        owner.report_lease,
-    )
-    entry.started = owner.started
-    if heartbeat.renewer().defer(entry, settlement):
-        _flush_at_exit()
+    deadline = begun(owner.started) + owner.state.settings.max_runtime
+    if _keep(owner, action, attempt, landed, size, deadline, handover):
         log.warning(
             "idempotency: could not %s %s now (%s); this process retries it in the background",
             action,
-            digest,
+            owner.ident.key_digest[:16],
             error,
         )
         owner.emit(
@@ -136,10 +130,79 @@ def keep(
         "idempotency: could not %s %s (%s), and this process already keeps as many deferred"
         " settlements as it may; the key runs again once its lease lapses",
         action,
-        digest,
+        owner.ident.key_digest[:16],
         error,
     )
     owner.emit(signals.settlement_deferred, action=action, outcome="refused", pending=pending())
+    return False
+
+
+def adopt(
+    owner: Owner,
+    handover: spool.Handover,
+    attempt: Callable[[], Any],
+    landed: Callable[[Any], object],
+) -> bool:
+    """Keep a settlement another process handed on (:mod:`.inherit`): its lease renewed
+    and its write tried like one of this process's own; ``False`` when this process keeps
+    as many as it may already."""
+    deadline = time.monotonic() + (handover.give_up_at - time.time())
+    size = len(handover.response.body) if handover.response is not None else 0
+    action = "complete" if handover.action == "complete" else "release"
+    return _keep(owner, action, attempt, landed, size, deadline, handover)
+
+
+def begun(started: float) -> float:
+    """An owner's start (``time.perf_counter()``) on the monotonic clock, as time elapsed."""
+    return time.monotonic() - (time.perf_counter() - started)
+
+
+def _keep(
+    owner: Owner,
+    action: str,
+    attempt: Callable[[], Any],
+    landed: Callable[[Any], object],
+    size: int,
+    deadline: float,
+    handover: spool.Handover | None,
+) -> bool:
+    digest = owner.ident.key_digest[:16]
+    settings = owner.state.settings
+    where = spool_path(owner.state) if handover is not None else None
+    slot = None if where is None or handover is None else _Spooled(where, handover)
+
+    def on_landed(result: Any) -> None:
+        if slot is not None:
+            slot.finished()  # before what follows: the write is what must not be redone
+        log.info("idempotency: the deferred %s of %s landed", action, digest)
+        owner.emit(signals.settlement_deferred, action=action, outcome="landed", pending=pending())
+        landed(result)
+
+    def on_gave_up(last: BaseException) -> None:
+        if slot is not None:
+            slot.finished()
+        log.error(
+            "idempotency: gave up the deferred %s of %s at IDEMPOTENCY_MAX_RUNTIME: %s",
+            action,
+            digest,
+            last,
+        )
+        owner.emit(signals.settlement_deferred, action=action, outcome="gave-up", pending=pending())
+
+    settlement = Settlement(
+        action, attempt, on_landed, on_gave_up, size=size, deadline=deadline, handover=slot
+    )
+    entry = heartbeat.Lease(
+        owner.state.store,
+        owner.claim,
+        owner.lease_seconds,
+        settings.max_runtime,
+        owner.report_lease,
+    )
+    entry.started = deadline - settings.max_runtime
+    if heartbeat.renewer().defer(entry, settlement):
+        _flush_at_exit()
+        return True
     return False
 
 
@@ -148,12 +211,35 @@ def pending() -> int:
     return heartbeat.renewer().pending
 
 
-def flush(timeout: float = FLUSH_TIMEOUT) -> int:
-    """Try every pending settlement now; wait up to ``timeout``; how many are left."""
+def flush(timeout: float | None = None) -> int:
+    """Hand on what is pending, then try it for up to ``timeout`` (:data:`FLUSH_TIMEOUT`);
+    how many are left and dropped.
+
+    Each settlement that can be handed on is written to the spool first, under a name
+    that keeps it this process's while it lives; one that lands meanwhile has its file
+    removed, and the rest are handed on to any process when the wait is over. A process
+    killed during the wait (a graceful timeout shorter than the flush, a SIGKILL)
+    therefore drops nothing: its files are taken once it is gone.
+    """
     renewer = heartbeat.renewer()
     if not renewer.pending:
         return 0
-    left = renewer.flush(timeout)
+    for settlement in renewer.kept():
+        if isinstance(settlement.handover, _Spooled):
+            settlement.handover.write(settlement)
+    left = renewer.flush(FLUSH_TIMEOUT if timeout is None else timeout)
+    if left:
+        handed = 0
+        for settlement in renewer.hand_over():
+            handed += settlement.handover.publish()
+        if handed:
+            log.warning(
+                "idempotency: %d deferred settlement(s) had not landed when this process"
+                " ended; they are written to the host's spool (IDEMPOTENCY_SPOOL_DIR), and the"
+                " next process of this app on this host lands them",
+                handed,
+            )
+        left = renewer.pending
     if left:
         log.error(
             "idempotency: %d deferred settlement(s) had not landed when this process ended;"
@@ -161,6 +247,74 @@ def flush(timeout: float = FLUSH_TIMEOUT) -> int:
             left,
         )
     return left
+
+
+def spool_path(state: AppState) -> Path | None:
+    """The host's spool directory of ``state``'s store, or ``None`` when there is none:
+    ``IDEMPOTENCY_SPOOL_DIR = False``, or a database only this process sees (SQLite in
+    memory)."""
+    setting = state.settings.spool_dir
+    if setting is False:
+        return None
+    store = state.store
+    url = store.engine.url
+    if url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:"):
+        return None
+    root = Path(setting) if isinstance(setting, str) else spool.default_root()
+    key = spool.store_key(url.render_as_string(hide_password=True), store.table.fullname)
+    return root / key
+
+
+class _Spooled:
+    """A kept settlement's way to the spool: its file, once written at exit."""
+
+    def __init__(self, where: Path, handover: spool.Handover) -> None:
+        self.where = where
+        self.handover = handover
+        self.file: Path | None = None
+        self.done = False
+        self._lock = threading.Lock()
+
+    def write(self, settlement: Settlement) -> None:
+        """Write it to the spool, still this process's (an ERROR line if it cannot be)."""
+        handover = dataclasses.replace(
+            self.handover, give_up_at=time.time() + (settlement.deadline - time.monotonic())
+        )
+        with self._lock:
+            if self.done or self.file is not None:
+                return
+            try:
+                directory = spool.directory(self.where.parent, self.where.name)
+                self.file = spool.write(directory, handover, leaving=True)
+            except OSError as exc:
+                log.error(
+                    "idempotency: could not write the deferred %s of %s to the spool %s (%s);"
+                    " its key runs again once its lease lapses if this process ends first",
+                    settlement.action,
+                    handover.ident.key_digest[:16],
+                    self.where,
+                    exc,
+                )
+
+    def publish(self) -> int:
+        """Hand it on to any process now; 1 if it was, 0 if it had no file."""
+        with self._lock:
+            if self.file is None or self.done:
+                return 0
+            try:
+                self.file = spool.publish(self.file)
+            except OSError as exc:
+                log.error("idempotency: could not hand on %s (%s)", self.file, exc)
+                return 0
+            return 1
+
+    def finished(self) -> None:
+        """It landed or was given up here: no other process must try it."""
+        with self._lock:
+            self.done = True
+            if self.file is not None:
+                spool.remove(self.file)
+                self.file = None
 
 
 _registered: list[bool] = []

@@ -21,7 +21,9 @@ renewed after those of running views, and the settlement is then tried at once o
 the settler's own thread, so a slow one (up to the statement deadline) never
 delays a renewal; while it waits, the other kept settlements' leases are still
 renewed here, so none lapses. A claim of this process never takes over a record
-whose settlement the process keeps (:func:`..process.keeps`).
+whose settlement the process keeps (:func:`..process.keeps`). A process that ends
+hands the settlements it still keeps on (:meth:`Renewer.hand_over`, the spool of
+:mod:`.deferred` and :mod:`.inherit`). Every deadline here is on ``time.monotonic()``.
 
 A renewal that finds the record no longer under the owner's token, or renewals
 that fail until the lease must have lapsed, are reported through the
@@ -86,6 +88,9 @@ class Settlement:
     #: When to stop trying (monotonic).
     deadline: float
     pause: float = FIRST_PAUSE
+    #: What another process needs to land it once this one has ended (a
+    #: :class:`.spool.Handover`); ``None``: it cannot be handed on.
+    handover: Any = None
 
 
 class Lease:
@@ -290,6 +295,32 @@ class Renewer:
                 self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
             return self.pending
 
+    def kept(self) -> list[Settlement]:
+        """Every settlement this process keeps now."""
+        with self._cond:
+            return [lease.settlement for lease in self._leases if lease.settlement is not None]
+
+    def hand_over(self) -> list[Settlement]:
+        """Stop keeping every settlement that can be handed on, and return them (the exit
+        flush spools them, :mod:`.deferred`): this process no longer tries them, renews
+        their leases or refuses their takeover. One in the middle of an attempt may still
+        land here; its fenced write then makes the other process's attempt a no-op."""
+        handed: list[Settlement] = []
+        with self._cond:
+            for lease in list(self._leases):
+                settlement = lease.settlement
+                if settlement is None or settlement.handover is None:
+                    continue
+                lease.settlement = None
+                lease.done = True
+                self._leases.discard(lease)
+                self.pending -= 1
+                self.pending_bytes -= settlement.size
+                process.forget_token(lease.claim.lock_token)
+                handed.append(settlement)
+            self._cond.notify_all()
+        return handed
+
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="idempotency-heartbeat", daemon=True)
         self._thread.start()
@@ -481,17 +512,23 @@ class Renewer:
         with self._cond:
             lease.queued = False
             now = time.monotonic()
-            if error is not None and now < settlement.deadline:
+            if lease.settlement is not settlement:
+                # Handed on meanwhile (hand_over): the other process lands it, unless
+                # this try did; then what follows it runs here.
+                if error is not None:
+                    return
+            elif error is not None and now < settlement.deadline:
                 settlement.pause = min(settlement.pause * 2, MAX_PAUSE)
                 lease.next_due = min(lease.next_due, now + settlement.pause)
                 self._wakes_at = None
                 self._cond.notify_all()
                 return
-            lease.settlement = None
-            lease.done = True
-            self._leases.discard(lease)
-            self.pending -= 1
-            self.pending_bytes -= settlement.size
+            else:
+                lease.settlement = None
+                lease.done = True
+                self._leases.discard(lease)
+                self.pending -= 1
+                self.pending_bytes -= settlement.size
             self.finishing += 1
         try:
             if error is None:

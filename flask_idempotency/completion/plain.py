@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 from flask import Response
 
@@ -19,7 +20,7 @@ from ..config import CALLER_STATUSES, TRANSIENT_STATUSES
 from ..records import Completed, StoredResponse
 from ..responses import capture
 from ..store import StoreError
-from . import deferred
+from . import deferred, spool
 from .ownership import Ownership
 from .unit import abandon
 
@@ -65,6 +66,7 @@ def store(own: Ownership, response: Response) -> Response:
             functools.partial(_deferred_completion_landed, own, stored),
             size=len(stored.body),
             error=exc,
+            handover=_handover(own, "complete", response=stored),
         )
         return response
     if expires_at_ms is None:
@@ -109,9 +111,15 @@ def release(own: Ownership, reason: str, status: int | None) -> bool:
             lambda released: _released(own, bool(released), reason, status),
             size=0,
             error=exc,
+            handover=_handover(own, "release", reason=reason, status=status),
         )
         return True
     return _released(own, released, reason, status)
+
+
+def _handover(own: Ownership, action: str, **what: Any) -> spool.Handover:
+    """What another process needs to land this settlement once this one ended (C59)."""
+    return spool.Handover(action, own.claim, own.ident, own.lease_seconds, own.route, **what)
 
 
 def _released(own: Ownership, released: bool, reason: str, status: int | None) -> bool:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ..config import EffectiveOptions
 from ..records import Claim, Identity
 from ..store import StoreError
-from . import deferred
+from . import deferred, spool
 from .ownership import Ownership
 
 if TYPE_CHECKING:
@@ -57,7 +57,14 @@ def keep_release(
         if released:  # a waiter may claim it now (C20)
             state.wakeups.announce(digest, "released")
 
-    owner = Ownership(
-        state, ident, Claim(UNKNOWN_ID, token, 0, "new"), options, started, app, route
+    claim = Claim(UNKNOWN_ID, token, 0, "new")
+    owner = Ownership(state, ident, claim, options, started, app, route)
+    handover = spool.Handover(  # C59: the next process lands it if this one ends first
+        "release-unanswered",
+        claim,
+        ident,
+        options.lease,
+        route,
+        until=time.time() + (until - time.monotonic()),
     )
-    return deferred.keep(owner, "release", attempt, landed, size=0, error=error)
+    return deferred.keep(owner, "release", attempt, landed, size=0, error=error, handover=handover)
