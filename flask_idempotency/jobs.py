@@ -362,7 +362,7 @@ class Once:
                 if not deferred.keep(
                     run,
                     "complete",
-                    lambda: state.store.complete(claim, stored),
+                    lambda: state.store.complete(claim, stored, kept=True),
                     functools.partial(_completion_landed, run, stored, omitted),
                     size=len(stored.body),
                     error=exc,
@@ -411,7 +411,7 @@ class Once:
             deferred.keep(
                 run,
                 "release",
-                lambda: state.store.release(claim),
+                lambda: state.store.release(claim, kept=True),
                 lambda released: _released(run, bool(released), reason),
                 size=0,
                 error=exc,

@@ -62,7 +62,7 @@ def store(own: Ownership, response: Response) -> Response:
         deferred.keep(
             own,
             "complete",
-            lambda: state.store.complete(own.claim, stored),
+            lambda: state.store.complete(own.claim, stored, kept=True),
             functools.partial(_deferred_completion_landed, own, stored),
             size=len(stored.body),
             error=exc,
@@ -107,7 +107,7 @@ def release(own: Ownership, reason: str, status: int | None) -> bool:
         deferred.keep(
             own,
             "release",
-            lambda: state.store.release(own.claim),
+            lambda: state.store.release(own.claim, kept=True),
             lambda released: _released(own, bool(released), reason, status),
             size=0,
             error=exc,
