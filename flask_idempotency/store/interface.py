@@ -50,6 +50,14 @@ class Store(Protocol):
         """:meth:`complete` inside the caller's transaction (atomic mode, C40)."""
         ...
 
+    def fitting(self, response: StoredResponse) -> StoredResponse:
+        """``response``, its body omitted (C33) where the database would refuse it (C58)."""
+        ...
+
+    def largest_body(self) -> int | None:
+        """The largest body this database takes in one completion; ``None``: unknown."""
+        ...
+
     def release(self, claim: Claim, *, kept: bool = False) -> bool:
         """Delete the owner's record; ``False`` if the lease was lost (C20).
         ``kept``: a kept settlement's try, which recognises an earlier try's landing (C58)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +96,10 @@ class DurableStore(StoreSchema):
         self._async_claim_sql: tuple[str, dict[str, Any]] | None = None
         self._at_once_sql: tuple[str, dict[str, Any]] | None = None
         self._at_once_stmt: Any = None
+        #: The largest body the database takes, read once (C58; ``_largest_read``).
+        self._largest_body: int | None = None
+        self._largest_read = False
+        self._largest_lock = threading.Lock()
 
     # -- the claim ------------------------------------------------------------------
 
@@ -375,6 +380,35 @@ class DurableStore(StoreSchema):
         return stmt
 
     # -- the owner's writes, fenced by its token --------------------------------------
+
+    def largest_body(self) -> int | None:
+        """The largest body a completion can carry on this database (C58), read from the
+        server once per store (``@@max_allowed_packet`` on MySQL/MariaDB; a known limit
+        elsewhere); ``None`` while it cannot be read (an outage: read on a later call)."""
+        if self._largest_read:
+            return self._largest_body
+        with self._largest_lock:
+            if not self._largest_read:
+                try:
+                    self._largest_body = self._run(lambda conn: of(conn).largest_body(conn))
+                except StoreError:
+                    return None
+                self._largest_read = True
+            return self._largest_body
+
+    def fitting(self, response: StoredResponse) -> StoredResponse:
+        """``response``, or its body omitted (C33) when the database would refuse it for
+        good (C58): such a body is never sent."""
+        limit = self.largest_body()
+        if limit is None or response.body_omitted or len(response.body) <= limit:
+            return response
+        log.warning(
+            "idempotency: a response body of %d bytes is over the %d bytes this database"
+            " takes in one completion; stored without its body (C33, C58)",
+            len(response.body),
+            limit,
+        )
+        return response.without_body()
 
     def complete(self, claim: Claim, response: StoredResponse, *, kept: bool = False) -> int | None:
         """Store the response and complete the record; ``None`` if the lease was lost (C14).

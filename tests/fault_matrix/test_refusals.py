@@ -1,0 +1,200 @@
+"""A completion the database refuses for good is not an outage (C58, C33).
+
+CONTRACT C58, C33, C55.
+
+Before C58 a refusal was filed as an outage: the completion was kept as a settlement,
+tried again and refused again, and the view ran a second time once the lease lapsed (or
+the key answered 409 for ``IDEMPOTENCY_MAX_RUNTIME``). Now the record completes without
+its body, as C33 stores a body over ``IDEMPOTENCY_MAX_BODY_BYTES``, or, where even that
+is refused, the key is released; once, never kept.
+
+The matrix (write x fault x database -> outcome):
+
+==========  ===============================  ==================  ===========================
+write       fault                            database            outcome
+==========  ===============================  ==================  ===========================
+complete    body over the packet limit       MariaDB (private,   1 run; replay: body omitted;
+            (max_allowed_packet = 1 MiB)     PyMySQL)            nothing kept; never sent
+complete    54000 program_limit_exceeded     psycopg2,           1 run; replay: body omitted;
+            on the body                      psycopg 3           nothing kept
+complete    22003 on any completion          psycopg2,           released once
+            (even without the body)          psycopg 3           (``store-refused``), nothing
+                                                                 kept; the retry runs the view
+==========  ===============================  ==================  ===========================
+
+On PostgreSQL the refusals are raised by the server itself, from a trigger on the test's
+private table (the 1 GB field limit is too large to reach in a test).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from flask import Response
+from sqlalchemy import create_engine
+from sqlalchemy.pool import NullPool
+
+from flask_idempotency import idempotent, signals
+from flask_idempotency.completion import deferred
+from flask_idempotency.records import COMPLETED
+from tests.conftest import driver_url, service_missing
+from tests.support.mariadb_server import MariaDBServer, mariadb_binaries
+from tests.test_lifecycle import KEY, REPLAYED, rows
+from tests.test_pg_rules import record_signal
+
+#: The lease in these tests: a kept completion's retry would come after it.
+LEASE = 1.0
+
+#: The PostgreSQL refusals, raised by the server from a trigger on the records table.
+REFUSING_TRIGGER = """
+CREATE FUNCTION "{name}_refuse"() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.state = 'completed' AND NEW.response_status = 299 THEN
+    RAISE EXCEPTION 'value out of range' USING ERRCODE = '22003';
+  END IF;
+  IF NEW.state = 'completed' AND length(NEW.response_body) > 1000 THEN
+    RAISE EXCEPTION 'body over the limit' USING ERRCODE = '54000';
+  END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER "{name}_refuse" BEFORE UPDATE ON "{name}"
+  FOR EACH ROW EXECUTE FUNCTION "{name}_refuse"();
+"""
+
+
+def counting_app(make_app: Any, url: str, config: dict[str, Any] | None = None) -> Any:
+    app, _ = make_app(
+        {
+            "IDEMPOTENCY_DATABASE_URI": url,
+            "IDEMPOTENCY_TABLE": f"idem_{uuid.uuid4().hex[:12]}",
+            "IDEMPOTENCY_LEASE": LEASE,
+            "IDEMPOTENCY_WAIT": 0,
+            **(config or {}),
+        }
+    )
+    app.calls = []  # type: ignore[attr-defined]
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        app.calls.append(1)  # type: ignore[attr-defined]
+        size = int(app.config.get("TEST_BODY", 10))
+        status = int(app.config.get("TEST_STATUS", 201))
+        return Response(b"x" * size, status=status, mimetype="application/octet-stream")
+
+    return app
+
+
+def drop(app: Any) -> None:
+    store = app.extensions["idempotency"].store
+    for t in (store.table, store.identity_table):
+        t.drop(store.engine, checkfirst=True)
+
+
+@pytest.fixture(params=["psycopg2", "psycopg"], ids=["psycopg2", "psycopg3"])
+def refusing_pg(request: Any, make_app: Any) -> Iterator[Any]:
+    """An app on PostgreSQL whose table refuses (see :data:`REFUSING_TRIGGER`)."""
+    url = driver_url(request.getfixturevalue("pg_database"), request.param)
+    app = counting_app(make_app, url.render_as_string(hide_password=False))
+    name = app.extensions["idempotency"].store.table.name
+    engine = create_engine(url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(REFUSING_TRIGGER.format(name=name))
+    try:
+        yield app
+    finally:
+        drop(app)
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f'DROP FUNCTION IF EXISTS "{name}_refuse"()')
+        engine.dispose()
+
+
+def assert_completed_without_body(app: Any, status: int, size: int) -> None:
+    """One run, the answer stored without its body, nothing kept, and a replay after the
+    lease serves the omitted-body answer (C33)."""
+    deferrals = record_signal(app, signals.settlement_deferred)
+    client = app.test_client()
+    first = client.post("/pay", headers=KEY)
+    assert first.status_code == status and len(first.data) == size
+    assert deferrals == [] and deferred.pending() == 0, deferrals
+    (row,) = rows(app)
+    assert row["state"] == COMPLETED and row["body_omitted"], row
+    time.sleep(LEASE * 1.5)  # a kept completion's lease would have lapsed by now
+    second = client.post("/pay", headers=KEY)
+    assert second.status_code == status, second.get_data(as_text=True)
+    assert second.headers.get(REPLAYED) == "true"
+    assert second.headers.get("Idempotency-Replay") == "omitted"
+    assert app.calls == [1]
+
+
+@pytest.mark.postgres
+def test_c58_c33_a_body_postgresql_refuses_completes_without_it(refusing_pg: Any) -> None:
+    """C58/C33: the completion is refused with 54000: stored without its body, once."""
+    app = refusing_pg
+    app.config["TEST_BODY"] = 2000
+    assert_completed_without_body(app, 201, 2000)
+
+
+@pytest.mark.postgres
+def test_c58_a_completion_refused_even_without_its_body_releases_the_key(
+    refusing_pg: Any,
+) -> None:
+    """C58: every completion refused (22003): the key is released once (``claim_released``
+    ``store-refused``), nothing is kept, and the retry runs the view."""
+    app = refusing_pg
+    app.config["TEST_STATUS"] = 299
+    released = record_signal(app, signals.claim_released)
+    deferrals = record_signal(app, signals.settlement_deferred)
+    client = app.test_client()
+    assert client.post("/pay", headers=KEY).status_code == 299
+    assert [r["reason"] for r in released] == ["store-refused"]
+    assert deferrals == [] and deferred.pending() == 0
+    assert rows(app) == []
+    assert client.post("/pay", headers=KEY).status_code == 299
+    assert app.calls == [1, 1]
+
+
+# -- MariaDB: max_allowed_packet ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_packet_mariadb(tmp_path_factory: Any) -> Iterator[MariaDBServer]:
+    """A private MariaDB with ``max_allowed_packet`` = 1 MiB (the machine's is left as is)."""
+    if mariadb_binaries() is None:
+        service_missing("a private MariaDB", "mariadbd / mariadb-install-db are not installed")
+    server = MariaDBServer(
+        tmp_path_factory.mktemp("mariadb-packet"), options=("--max-allowed-packet=1M",)
+    )
+    try:
+        server.start()
+    except (OSError, RuntimeError) as exc:
+        server.stop()
+        pytest.fail(f"could not start a private MariaDB: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.mysql
+@pytest.mark.slow
+def test_c58_c33_a_body_over_max_allowed_packet_completes_without_it(
+    small_packet_mariadb: MariaDBServer, make_app: Any
+) -> None:
+    """C58/C33: a 2 MiB response on a server taking 1 MiB packets: stored without its
+    body (never sent: before C58 the server reset the connection, the completion was
+    kept, and the key ran again or answered 409), replayed as omitted, one run."""
+    app = counting_app(
+        make_app, small_packet_mariadb.url, {"IDEMPOTENCY_MAX_BODY_BYTES": 8 * 1024 * 1024}
+    )
+    app.config["TEST_BODY"] = 2 * 1024 * 1024
+    try:
+        store = app.extensions["idempotency"].store
+        assert store.largest_body() == (1024 * 1024 - 64 * 1024) // 2
+        assert_completed_without_body(app, 201, 2 * 1024 * 1024)
+    finally:
+        drop(app)
