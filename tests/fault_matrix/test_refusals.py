@@ -198,3 +198,24 @@ def test_c58_c33_a_body_over_max_allowed_packet_completes_without_it(
         assert_completed_without_body(app, 201, 2 * 1024 * 1024)
     finally:
         drop(app)
+
+
+@pytest.mark.mysql
+@pytest.mark.slow
+def test_c58_check_shows_the_effective_body_limit(
+    small_packet_mariadb: MariaDBServer, make_app: Any
+) -> None:
+    """C58: ``flask idempotency check`` says the largest body stored with its response,
+    and that the server's ``max_allowed_packet`` sets it here."""
+    app = counting_app(
+        make_app, small_packet_mariadb.url, {"IDEMPOTENCY_MAX_BODY_BYTES": 8 * 1024 * 1024}
+    )
+    try:
+        result = app.test_cli_runner().invoke(args=["idempotency", "check"])
+        assert result.exit_code == 0, result.output
+        assert (
+            "Stored bodies: up to 491,520 bytes, the most this database takes in one"
+            " completion (IDEMPOTENCY_MAX_BODY_BYTES is 8,388,608)"
+        ) in result.output
+    finally:
+        drop(app)
