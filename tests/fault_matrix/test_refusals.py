@@ -219,3 +219,26 @@ def test_c58_check_shows_the_effective_body_limit(
         ) in result.output
     finally:
         drop(app)
+
+
+@pytest.mark.postgres
+def test_c58_c33_once_work_whose_result_postgresql_refuses_completes_without_it(
+    refusing_pg: Any,
+) -> None:
+    """C58/C33 for ``once()``: the result's completion is refused (54000): stored without
+    the result, once, nothing kept; a duplicate finds the work done (result omitted)."""
+    app = refusing_pg
+    ext = app.extensions["idempotency"].extension
+    deferrals = record_signal(app, signals.settlement_deferred)
+    runs: list[int] = []
+    with app.app_context():
+        with ext.once("mail:1") as run:
+            assert run.owned
+            runs.append(1)
+            run.result = "x" * 2000
+        assert deferrals == [] and deferred.pending() == 0, deferrals
+        time.sleep(LEASE * 1.5)
+        with ext.once("mail:1") as again:
+            assert not again.owned
+            assert again.result_omitted
+    assert runs == [1]
