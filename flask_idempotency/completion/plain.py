@@ -9,7 +9,6 @@ after-commit steps.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -110,13 +109,31 @@ def refused(own: Ownership, stored: StoredResponse, error: StoreRefused) -> None
 
 
 def store_kept(own: Ownership, stored: StoredResponse, error: StoreError) -> None:
-    """Keep the completion the store could not take now, to land it later (C55)."""
+    """Keep the completion the store could not take now, to land it later (C55); one the
+    database then refuses for good is tried once more without its body (C58)."""
     state = own.state
+    holder = [stored]
+
+    def attempt() -> int | None:
+        try:
+            return state.store.complete(own.claim, holder[0], kept=True)
+        except StoreRefused as exc:
+            if holder[0].body_omitted:
+                raise
+            log.error(
+                "idempotency: the database refused the deferred completion of %s (%s);"
+                " storing it without its body (C33)",
+                own.ident.key_digest[:16],
+                exc,
+            )
+            holder[0] = holder[0].without_body()
+            return state.store.complete(own.claim, holder[0], kept=True)
+
     deferred.keep(
         own,
         "complete",
-        lambda: state.store.complete(own.claim, stored, kept=True),
-        functools.partial(_deferred_completion_landed, own, stored),
+        attempt,
+        lambda expires_at_ms: _deferred_completion_landed(own, holder[0], expires_at_ms),
         size=len(stored.body),
         error=error,
         handover=_handover(own, "complete", response=stored),

@@ -20,6 +20,11 @@ complete    54000 program_limit_exceeded     psycopg2,           1 run; replay: 
 complete    22003 on any completion          psycopg2,           released once
             (even without the body)          psycopg 3           (``store-refused``), nothing
                                                                  kept; the retry runs the view
+complete    an outage (kept), then 54000     psycopg2,           the kept try lands without
+            on the body                      psycopg 3           the body; 1 run
+once()      54000 on the result              psycopg2,           1 run; result omitted;
+                                             psycopg 3           nothing kept
+check       max_allowed_packet = 1 MiB       MariaDB (private)   prints the effective limit
 ==========  ===============================  ==================  ===========================
 
 On PostgreSQL the refusals are raised by the server itself, from a trigger on the test's
@@ -43,6 +48,8 @@ from flask_idempotency.completion import deferred
 from flask_idempotency.records import COMPLETED
 from tests.conftest import driver_url, service_missing
 from tests.support.mariadb_server import MariaDBServer, mariadb_binaries
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.waiting import wait_until
 from tests.test_lifecycle import KEY, REPLAYED, rows
 from tests.test_pg_rules import record_signal
 
@@ -84,6 +91,7 @@ def counting_app(make_app: Any, url: str, config: dict[str, Any] | None = None) 
         app.calls.append(1)  # type: ignore[attr-defined]
         size = int(app.config.get("TEST_BODY", 10))
         status = int(app.config.get("TEST_STATUS", 201))
+        app.config.get("TEST_AFTER_VIEW", lambda: None)()
         return Response(b"x" * size, status=status, mimetype="application/octet-stream")
 
     return app
@@ -242,3 +250,62 @@ def test_c58_c33_once_work_whose_result_postgresql_refuses_completes_without_it(
             assert not again.owned
             assert again.result_omitted
     assert runs == [1]
+
+
+# -- a kept completion (an outage first) that the database then refuses ------------------
+
+
+@pytest.fixture(params=["psycopg2", "psycopg"], ids=["psycopg2", "psycopg3"])
+def proxied_refusing_pg(request: Any, make_app: Any) -> Iterator[tuple[Any, TcpProxy]]:
+    """:func:`refusing_pg` reached through a loopback proxy that can go silent."""
+    direct = driver_url(request.getfixturevalue("pg_database"), request.param)
+    proxy = TcpProxy(direct.host or "127.0.0.1", direct.port or 5432).start()
+    routed = direct.set(host="127.0.0.1", port=proxy.port)
+    app = counting_app(
+        make_app, routed.render_as_string(hide_password=False), {"IDEMPOTENCY_LEASE": 20}
+    )
+    store = app.extensions["idempotency"].store
+    store.statement_deadline = 0.5
+    name = store.table.name
+    engine = create_engine(direct, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(REFUSING_TRIGGER.format(name=name))
+    try:
+        yield app, proxy
+    finally:
+        proxy.restore()
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f'DROP TABLE IF EXISTS "{name}"')
+            conn.exec_driver_sql(f'DROP TABLE IF EXISTS "{store.identity_table.name}"')
+            conn.exec_driver_sql(f'DROP FUNCTION IF EXISTS "{name}_refuse"()')
+        engine.dispose()
+        proxy.stop()
+
+
+@pytest.mark.postgres
+def test_c58_a_kept_completion_the_database_then_refuses_lands_without_its_body(
+    proxied_refusing_pg: tuple[Any, TcpProxy],
+) -> None:
+    """C58/C55: the completion meets an outage (the network silent past the deadline) and
+    is kept; once the network is back the database refuses it (54000). The kept try
+    stores it without its body and lands, instead of being refused again until
+    ``IDEMPOTENCY_MAX_RUNTIME``; one run, the replay serves the omitted-body answer."""
+    app, proxy = proxied_refusing_pg
+    app.config["TEST_BODY"] = 2000
+    deferrals = record_signal(app, signals.settlement_deferred)
+    client = app.test_client()
+    app.config["TEST_AFTER_VIEW"] = proxy.stall  # the completion gets no reply: kept (C55)
+    first = client.post("/pay", headers=KEY)
+    assert first.status_code == 201 and len(first.data) == 2000
+    assert [d["outcome"] for d in deferrals] == ["deferred"]
+    proxy.restore()
+    wait_until(
+        lambda: any(d["outcome"] != "deferred" for d in deferrals),
+        "the kept completion settled",
+        within=15,
+    )
+    assert [d["outcome"] for d in deferrals] == ["deferred", "landed"]
+    second = client.post("/pay", headers=KEY)
+    assert second.status_code == 201
+    assert second.headers.get("Idempotency-Replay") == "omitted"
+    assert app.calls == [1]
