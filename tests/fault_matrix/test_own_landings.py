@@ -21,7 +21,14 @@ complete   another owner's record        same                       ``None`` (fe
 complete   committed after the deadline  psycopg2, psycopg 3        ``landed``, promoted,
            (lock past the deadline,                                 no ``lease_lost``
            network silent at the cut)
+release    committed after the deadline  psycopg2, psycopg 3        ``landed``,
+           (same)                                                   ``claim_released``, no
+                                                                    ``lease_lost``
 =========  ============================  =========================  =====================
+
+psycopg 3 sends its statements with the extended protocol: a statement cut off this way
+never commits afterwards, so its end-to-end cells pass without the fix too; the store
+cells show its kept tries recognise a landing all the same.
 """
 
 from __future__ import annotations
@@ -168,4 +175,54 @@ def test_c58_a_completion_committed_after_its_deadline_is_landed_not_lease_lost(
     assert [r["state"] for r in rows(app)] == [COMPLETED]
     replay = app.test_client().post("/pay", json={"a": 1}, headers=KEY)
     assert replay.status_code == 201 and replay.get_json() == {"n": 1}
+    assert calls == [1]
+
+
+@pytest.mark.postgres
+def test_c58_a_release_committed_after_its_deadline_is_released_not_lease_lost(
+    proxied_cell: tuple[Cell, Any],  # noqa: F811
+) -> None:
+    """C58/C20: the view answers 503 (its claim is given back); the release waits on a
+    table lock, the network goes silent, the release is kept, and commits on the server
+    once the lock goes. The kept try finds the record gone: ``landed``,
+    ``claim_released`` (with the "released" wake-up), no ``lease_lost``."""
+    cell, proxy = proxied_cell
+    app = cell.make({"IDEMPOTENCY_WAIT": 0.3, "IDEMPOTENCY_LEASE": 20})
+    store = app.extensions["idempotency"].store
+    calls: list[int] = []
+    lock = TableLock(cell, store.table.name)
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        calls.append(1)
+        lock.start()  # the claim is in; the release will wait on the lock
+        assert lock.locked.wait(10) and lock.error is None, lock.error
+        return jsonify(busy=True), 503
+
+    deferrals = record_signal(app, signals.settlement_deferred)
+    lost = record_signal(app, signals.lease_lost)
+    released = record_signal(app, signals.claim_released)
+    answers: list[Any] = []
+    request = threading.Thread(
+        target=lambda: answers.append(app.test_client().post("/pay", json={"a": 1}, headers=KEY))
+    )
+    request.start()
+    wait_until(lambda: _waiting_on(cell.direct, store.table.name), "the release queued")
+    proxy.stall()
+    request.join(30)
+    assert answers and answers[0].status_code == 503, answers
+    lock.release.set()  # the queued release commits now (psycopg2)
+    lock.join(10)
+    proxy.restore()
+    wait_until(
+        lambda: any(d["outcome"] in ("landed", "fenced") for d in deferrals),
+        "the kept release settled",
+        within=20,
+    )
+    outcomes = [d["outcome"] for d in deferrals]
+    assert "landed" in outcomes and "fenced" not in outcomes, outcomes
+    assert lost == [], lost
+    assert [r["reason"] for r in released] == ["server-error"]
+    assert rows(app) == []
     assert calls == [1]
