@@ -27,7 +27,7 @@ from flask import current_app
 from flask.cli import AppGroup
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from .cli_render import describe_record, iso, moment, printable
+from .cli_render import body_limit, describe_record, iso, moment, printable
 from .fingerprint import ANONYMOUS_SCOPE, authorization_scope, key_digest, with_host
 from .keys import InvalidKey, parse_key
 from .store import StoreError
@@ -457,6 +457,8 @@ def check_command() -> None:
             " Migrate it to the definition in flask_idempotency/store/table.py."
         )
     click.echo(f"OK: the table {report.table!r} matches what Flask-Idempotency expects.")
+    state = _state()
+    click.echo(body_limit(state.settings.max_body_bytes, state.store.largest_body()))
     _check_identity(maintenance.check_identity())
     _check_redis_tier()
     routes()

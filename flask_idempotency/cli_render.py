@@ -86,6 +86,20 @@ def span(seconds: float) -> str:
     return f"{seconds // 86400:.0f}d {seconds % 86400 // 3600:.0f}h"
 
 
+def body_limit(setting: int, database: int | None) -> str:
+    """The largest body stored with its response, and which limit sets it (C33, C58)."""
+    if database is None or setting <= database:
+        by = "IDEMPOTENCY_MAX_BODY_BYTES"
+        if database is not None:
+            by += f"; the database takes up to {database:,} bytes"
+        return f"Stored bodies: up to {setting:,} bytes ({by}); a larger one is omitted (C33)."
+    return (
+        f"Stored bodies: up to {database:,} bytes, the most this database takes in one"
+        f" completion (IDEMPOTENCY_MAX_BODY_BYTES is {setting:,}); a larger one is omitted"
+        " (C33, C58)."
+    )
+
+
 def describe_record(record: RecordView) -> list[str]:
     """The record as lines for a terminal: every value that came from a request (the
     scope, method and path, the header names of the view's answer) is escaped."""

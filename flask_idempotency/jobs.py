@@ -45,7 +45,7 @@ from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, 
 from .fingerprint import _digest, key_digest
 from .notify import wait_for_owner
 from .records import Claim, Completed, Identity, Record, StoredResponse
-from .store import StoreError
+from .store import StoreError, StoreRefused
 
 if TYPE_CHECKING:
     from .state import AppState
@@ -353,8 +353,38 @@ class Once:
                     " its writes were rolled back."
                 )
         else:
+            stored = state.store.fitting(stored)  # a body the database would refuse (C58)
+            omitted = stored.body_omitted
             try:
-                expires_at_ms = state.store.complete(claim, stored)
+                try:
+                    expires_at_ms = state.store.complete(claim, stored)
+                except StoreRefused as exc:
+                    if omitted:
+                        raise
+                    # Refused for good (C58): stored without its result as C33 stores a
+                    # large one, or the key given back where even that is refused (below);
+                    # once, never kept.
+                    _send(
+                        signals.store_error, run, tier="database", error=str(exc), action="complete"
+                    )
+                    log.error(
+                        "idempotency: once(): the database refused the completion of %s (%s);"
+                        " storing it without its result (C33)",
+                        run.key_digest[:16],
+                        exc,
+                    )
+                    stored, omitted = stored.without_body(), True
+                    expires_at_ms = state.store.complete(claim, stored)
+            except StoreRefused as exc:
+                _send(signals.store_error, run, tier="database", error=str(exc), action="complete")
+                log.error(
+                    "idempotency: once(): the database refused the completion of %s even"
+                    " without its result (%s); the key is released",
+                    run.key_digest[:16],
+                    exc,
+                )
+                self._release(run, "store-refused")
+                return
             except StoreError as exc:
                 # The work is done: the process keeps the result and stores it once the
                 # store answers again (C55); a duplicate meanwhile waits or gets
@@ -362,7 +392,7 @@ class Once:
                 if not deferred.keep(
                     run,
                     "complete",
-                    lambda: state.store.complete(claim, stored),
+                    lambda: state.store.complete(claim, stored, kept=True),
                     functools.partial(_completion_landed, run, stored, omitted),
                     size=len(stored.body),
                     error=exc,
@@ -411,7 +441,7 @@ class Once:
             deferred.keep(
                 run,
                 "release",
-                lambda: state.store.release(claim),
+                lambda: state.store.release(claim, kept=True),
                 lambda released: _released(run, bool(released), reason),
                 size=0,
                 error=exc,

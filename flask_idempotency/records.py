@@ -79,6 +79,11 @@ class StoredResponse:
         # In one call, not a frozen dataclass's object.__setattr__ per field (issue 11).
         self.__dict__.update(status=status, headers=headers, body=body, body_omitted=body_omitted)
 
+    def without_body(self) -> StoredResponse:
+        """This response stored as C33 stores one over ``IDEMPOTENCY_MAX_BODY_BYTES``:
+        its status and headers, the body omitted (C58: a body the database refuses)."""
+        return StoredResponse(self.status, self.headers, b"", body_omitted=True)
+
     def headers_json(self) -> str:
         text = _HEADERS_TEXT.get(self.headers)
         if text is None:

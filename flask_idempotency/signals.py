@@ -74,6 +74,8 @@ lease_renewal_failed = _signals.signal("idempotency-lease-renewal-failed")
 #: owner's process and retried in the background until it lands (C55). Sent when it is
 #: kept, when it lands and when it is given up; the later two from the renewal thread.
 #: Extra: ``action`` (``"complete"`` or ``"release"``), ``outcome`` (``"deferred"``,
-#: ``"landed"``, ``"gave-up"``, or ``"refused"`` when the process already holds as many
-#: as it may keep), ``pending`` (how many this process holds now).
+#: ``"landed"`` (this try or an earlier one of its own, C58), ``"fenced"`` (another
+#: owner's record stands; ``lease_lost`` follows), ``"gave-up"``, or ``"refused"`` when
+#: the process already holds as many as it may keep), ``pending`` (how many this
+#: process holds now).
 settlement_deferred = _signals.signal("idempotency-settlement-deferred")

@@ -174,8 +174,12 @@ def _keep(
     def on_landed(result: Any) -> None:
         if slot is not None:
             slot.finished()  # before what follows: the write is what must not be redone
-        log.info("idempotency: the deferred %s of %s landed", action, digest)
-        owner.emit(signals.settlement_deferred, action=action, outcome="landed", pending=pending())
+        # ``None`` / ``False``: another owner's record stands, and the write changed
+        # nothing (C58: "landed" only when it did; what follows logs the lost lease).
+        outcome = "fenced" if result is None or result is False else "landed"
+        if outcome == "landed":
+            log.info("idempotency: the deferred %s of %s landed", action, digest)
+        owner.emit(signals.settlement_deferred, action=action, outcome=outcome, pending=pending())
         landed(result)
 
     def on_gave_up(last: BaseException) -> None:

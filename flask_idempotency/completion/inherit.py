@@ -148,7 +148,7 @@ def adopt(state: AppState, app: Flask, handover: spool.Handover) -> bool:
         assert response is not None
 
         def complete() -> int | None:
-            return store.complete(claim, response)
+            return store.complete(claim, response, kept=True)
 
         def completed(expires_at_ms: int | None) -> None:
             if expires_at_ms is None:
@@ -169,7 +169,7 @@ def adopt(state: AppState, app: Flask, handover: spool.Handover) -> bool:
     if handover.action == "release":
 
         def release() -> bool:
-            return store.release(claim)
+            return store.release(claim, kept=True)
 
         def released(done: object) -> None:
             if not done:

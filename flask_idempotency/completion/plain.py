@@ -9,7 +9,6 @@ after-commit steps.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -19,7 +18,7 @@ from .. import signals
 from ..config import CALLER_STATUSES, TRANSIENT_STATUSES
 from ..records import Completed, StoredResponse
 from ..responses import capture
-from ..store import StoreError
+from ..store import StoreError, StoreRefused
 from . import deferred, spool
 from .ownership import Ownership
 from .unit import abandon
@@ -54,26 +53,91 @@ def store(own: Ownership, response: Response) -> Response:
         release(own, "exception", response.status_code)  # a stream that failed mid-buffer
         raise
     own.stop_heartbeat()  # the completion is fenced; a renewal must not race it
+    stored = state.store.fitting(stored)  # a body the database would refuse is not sent (C58)
     try:
         expires_at_ms = state.store.complete(own.claim, stored)
+    except StoreRefused as exc:
+        refused(own, stored, exc)
+        return response
     except StoreError as exc:
         # The view ran; its client gets its answer now. The record is completed by this
         # process in the background once the store answers again (C55).
-        deferred.keep(
-            own,
-            "complete",
-            lambda: state.store.complete(own.claim, stored),
-            functools.partial(_deferred_completion_landed, own, stored),
-            size=len(stored.body),
-            error=exc,
-            handover=_handover(own, "complete", response=stored),
-        )
+        store_kept(own, stored, exc)
         return response
     if expires_at_ms is None:
         own.lease_lost("complete")
         return response
     completed(own, stored, expires_at_ms)
     return response
+
+
+def refused(own: Ownership, stored: StoredResponse, error: StoreRefused) -> None:
+    """The database refused the completion for good (C58): store the answer without its
+    body (C33), or, where even that is refused, give the key back; once, never kept as a
+    settlement (a retry would be refused the same way, and the view run again after a
+    lease). The client has its answer either way."""
+    state, digest = own.state, own.ident.key_digest[:16]
+    own.emit(signals.store_error, tier="database", error=str(error), action="complete")
+    if not stored.body_omitted:
+        log.error(
+            "idempotency: the database refused the completion of %s (%s); storing it without"
+            " its body (C33)",
+            digest,
+            error,
+        )
+        stored = stored.without_body()
+        try:
+            expires_at_ms = state.store.complete(own.claim, stored)
+        except StoreRefused as again:
+            error = again
+        except StoreError as exc:
+            store_kept(own, stored, exc)
+            return
+        else:
+            if expires_at_ms is None:
+                own.lease_lost("complete")
+            else:
+                completed(own, stored, expires_at_ms)
+            return
+    log.error(
+        "idempotency: the database refused the completion of %s even without its body (%s);"
+        " the key is released, and a retry runs the view",
+        digest,
+        error,
+    )
+    release(own, "store-refused", stored.status)
+
+
+def store_kept(own: Ownership, stored: StoredResponse, error: StoreError) -> None:
+    """Keep the completion the store could not take now, to land it later (C55); one the
+    database then refuses for good is tried once more without its body (C58)."""
+    state = own.state
+    holder = [stored]
+
+    def attempt() -> int | None:
+        try:
+            return state.store.complete(own.claim, holder[0], kept=True)
+        except StoreRefused as exc:
+            if holder[0].body_omitted:
+                raise
+            log.error(
+                "idempotency: the database refused the deferred completion of %s (%s);"
+                " storing it without its body (C33)",
+                own.ident.key_digest[:16],
+                exc,
+            )
+            holder[0] = holder[0].without_body()
+            return state.store.complete(own.claim, holder[0], kept=True)
+
+    deferred.keep(
+        own,
+        "complete",
+        attempt,
+        lambda expires_at_ms: _deferred_completion_landed(own, holder[0], expires_at_ms),
+        size=len(stored.body),
+        error=error,
+        handover=_handover(own, "complete", response=stored),
+    )
 
 
 def completed(own: Ownership, stored: StoredResponse, expires_at_ms: int) -> None:
@@ -107,7 +171,7 @@ def release(own: Ownership, reason: str, status: int | None) -> bool:
         deferred.keep(
             own,
             "release",
-            lambda: state.store.release(own.claim),
+            lambda: state.store.release(own.claim, kept=True),
             lambda released: _released(own, bool(released), reason, status),
             size=0,
             error=exc,

@@ -11,11 +11,18 @@ asks of it. The names below are what the rest of the package uses.
 
 from typing import TYPE_CHECKING
 
-from .errors import StoreError, StoreMisconfigured
+from .errors import StoreError, StoreMisconfigured, StoreRefused
 from .interface import Store
 from .sql import ClaimUnanswered, DurableStore
 
 if TYPE_CHECKING:  # the SQL implementation is a Store
     _IS_A_STORE: type[Store] = DurableStore
 
-__all__ = ["ClaimUnanswered", "DurableStore", "Store", "StoreError", "StoreMisconfigured"]
+__all__ = [
+    "ClaimUnanswered",
+    "DurableStore",
+    "Store",
+    "StoreError",
+    "StoreMisconfigured",
+    "StoreRefused",
+]

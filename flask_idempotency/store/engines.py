@@ -37,8 +37,10 @@ from .direct import DirectSQL, DirectStatements, supported
 from .errors import (
     StoreError,
     StoreMisconfigured,
+    StoreRefused,
     describe,
     is_read_only,
+    is_refusal,
     is_schema_error,
     schema_help,
 )
@@ -256,6 +258,8 @@ class StoreEngines:
                     raise StoreMisconfigured(self._schema_help(exc)) from exc
                 if lock_wait_is_final and is_lock_unavailable(exc):
                     raise StoreError(describe(exc)) from exc
+                if is_refusal(exc):
+                    raise StoreRefused(describe(exc)) from exc
                 if is_read_only(exc):
                     self._leave_pools(exc)
                     exc.connection_invalidated = True

@@ -1,7 +1,8 @@
-"""The store's errors, and what a driver error says (CONTRACT C25, C26, C45, C55).
+"""The store's errors, and what a driver error says (CONTRACT C25, C26, C45, C55, C58).
 
 Every failure of the durable store reaches the lifecycle as :class:`StoreError` (an
-outage: 503) or :class:`StoreMisconfigured` (a deployment error: never failed open).
+outage: 503), :class:`StoreMisconfigured` (a deployment error: never failed open) or
+:class:`StoreRefused` (a write refused for good, C58).
 The helpers here read a driver's error the same way whichever database raised it.
 """
 
@@ -22,6 +23,35 @@ class StoreMisconfigured(StoreError):
     Not an outage: waiting does not fix it, and failing open for it would run
     every protected view unprotected. The message says what to run.
     """
+
+
+class StoreRefused(StoreError):
+    """The database refused the write for good: the statement or a value is over one of
+    its limits, or a value it cannot hold (C58). Not an outage: no retry will change
+    the answer, so a refused completion is never kept to be tried again."""
+
+
+#: The refusals no retry changes (C58): SQLSTATE classes and codes, MySQL/MariaDB error
+#: numbers. ``54``: program_limit_exceeded and kin (PostgreSQL); ``22``: data exceptions
+#: (a value out of range, too long, a NUL byte in text, bad encoding).
+_REFUSAL_SQLSTATE_CLASSES = frozenset({"22", "54"})
+_REFUSAL_MYSQL_ERRNOS = frozenset(
+    {
+        1153,  # ER_NET_PACKET_TOO_LARGE: the statement is over max_allowed_packet
+        1264,  # ER_WARN_DATA_OUT_OF_RANGE
+        1366,  # ER_TRUNCATED_WRONG_VALUE_FOR_FIELD (a string it cannot hold)
+        1406,  # ER_DATA_TOO_LONG: a value over its column's limit
+    }
+)
+
+
+def is_refusal(exc: BaseException | None) -> bool:
+    """A write the database refuses for good (C58); everything else a store error can
+    be (cannot connect, connection lost, read-only, a deadline) is an outage."""
+    if mysql_errno(exc) in _REFUSAL_MYSQL_ERRNOS:
+        return True
+    state = sqlstate(exc)
+    return state is not None and state[:2] in _REFUSAL_SQLSTATE_CLASSES
 
 
 #: The SQLSTATEs MySQL documents for error numbers, for drivers that report none

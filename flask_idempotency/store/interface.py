@@ -41,16 +41,26 @@ class Store(Protocol):
         """The record named ``key_digest``, read with the database clock."""
         ...
 
-    def complete(self, claim: Claim, response: StoredResponse) -> int | None:
-        """Complete the record; its expiry, or ``None`` if the lease was lost (C14)."""
+    def complete(self, claim: Claim, response: StoredResponse, *, kept: bool = False) -> int | None:
+        """Complete the record; its expiry, or ``None`` if the lease was lost (C14).
+        ``kept``: a kept settlement's try, which recognises an earlier try's landing (C58)."""
         ...
 
     def complete_in(self, executor: Any, claim: Claim, response: StoredResponse) -> int | None:
         """:meth:`complete` inside the caller's transaction (atomic mode, C40)."""
         ...
 
-    def release(self, claim: Claim) -> bool:
-        """Delete the owner's record; ``False`` if the lease was lost (C20)."""
+    def fitting(self, response: StoredResponse) -> StoredResponse:
+        """``response``, its body omitted (C33) where the database would refuse it (C58)."""
+        ...
+
+    def largest_body(self) -> int | None:
+        """The largest body this database takes in one completion; ``None``: unknown."""
+        ...
+
+    def release(self, claim: Claim, *, kept: bool = False) -> bool:
+        """Delete the owner's record; ``False`` if the lease was lost (C20).
+        ``kept``: a kept settlement's try, which recognises an earlier try's landing (C58)."""
         ...
 
     def renew(self, claims: list[Claim], lease: float, *, engine: Engine | None = None) -> set[int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +96,10 @@ class DurableStore(StoreSchema):
         self._async_claim_sql: tuple[str, dict[str, Any]] | None = None
         self._at_once_sql: tuple[str, dict[str, Any]] | None = None
         self._at_once_stmt: Any = None
+        #: The largest body the database takes, read once (C58; ``_largest_read``).
+        self._largest_body: int | None = None
+        self._largest_read = False
+        self._largest_lock = threading.Lock()
 
     # -- the claim ------------------------------------------------------------------
 
@@ -376,17 +381,51 @@ class DurableStore(StoreSchema):
 
     # -- the owner's writes, fenced by its token --------------------------------------
 
-    def complete(self, claim: Claim, response: StoredResponse) -> int | None:
-        """Store the response and complete the record; ``None`` if the lease was lost (C14)."""
+    def largest_body(self) -> int | None:
+        """The largest body a completion can carry on this database (C58), read from the
+        server once per store (``@@max_allowed_packet`` on MySQL/MariaDB; a known limit
+        elsewhere); ``None`` while it cannot be read (an outage: read on a later call)."""
+        if self._largest_read:
+            return self._largest_body
+        with self._largest_lock:
+            if not self._largest_read:
+                try:
+                    self._largest_body = self._run(lambda conn: of(conn).largest_body(conn))
+                except StoreError:
+                    return None
+                self._largest_read = True
+            return self._largest_body
+
+    def fitting(self, response: StoredResponse) -> StoredResponse:
+        """``response``, or its body omitted (C33) when the database would refuse it for
+        good (C58): such a body is never sent."""
+        limit = self.largest_body()
+        if limit is None or response.body_omitted or len(response.body) <= limit:
+            return response
+        log.warning(
+            "idempotency: a response body of %d bytes is over the %d bytes this database"
+            " takes in one completion; stored without its body (C33, C58)",
+            len(response.body),
+            limit,
+        )
+        return response.without_body()
+
+    def complete(self, claim: Claim, response: StoredResponse, *, kept: bool = False) -> int | None:
+        """Store the response and complete the record; ``None`` if the lease was lost (C14).
+
+        ``kept``: a kept settlement's try (C55), whose earlier try may have committed
+        after its deadline or with its reply lost: every attempt, the first included,
+        then recognises the record this claim completed (C58).
+        """
         direct = self._direct()
         if direct is not None:
-            return self._complete_direct(direct, claim, response)
+            return self._complete_direct(direct, claim, response, kept)
         single = self._single()
         stmt = self._complete_statement()
         params = completion_params(claim, response)
         applied = self._applied_statement()
         applied_params = owner_params(claim)
-        attempts = 0
+        attempts = 1 if kept else 0  # a kept try follows one that may have landed
 
         def complete_own(conn: Connection) -> int | None:
             nonlocal attempts
@@ -407,7 +446,7 @@ class DurableStore(StoreSchema):
         return self._run(complete_own, single)
 
     def _complete_direct(
-        self, direct: DirectStatements, claim: Claim, response: StoredResponse
+        self, direct: DirectStatements, claim: Claim, response: StoredResponse, kept: bool
     ) -> int | None:
         """:meth:`complete` on the pooled psycopg2 connection directly: the same fenced
         UPDATE … RETURNING, and the same check for a lost reply on a retry (C14)."""
@@ -415,7 +454,7 @@ class DurableStore(StoreSchema):
         params = completion_params(claim, response)
         applied = self._direct_sql("applied", self._applied_statement)
         applied_params = owner_params(claim)
-        attempts = 0
+        attempts = 1 if kept else 0  # a kept try follows one that may have landed
 
         def complete_own(cursor: Any, info: dict[str, Any]) -> int | None:
             nonlocal attempts
@@ -464,20 +503,21 @@ class DurableStore(StoreSchema):
         stmt = completion_of(self.table, claim, response)
         return stmt.returning(self.table.c.expires_at_ms)
 
-    def release(self, claim: Claim) -> bool:
+    def release(self, claim: Claim, *, kept: bool = False) -> bool:
         """Delete the owner's record so a retry runs anew; ``False`` if the lease was lost (C20).
 
         A retry after a lost connection that finds the row gone counts as released:
         the earlier attempt's COMMIT reached the server and only its reply was lost
         (another owner could only have deleted it after taking over a lapsed lease,
-        and the wake-up that follows is a mere hint).
+        and the wake-up that follows is a mere hint). ``kept``: a kept settlement's try,
+        which reads it so from its first attempt on (C58).
         """
         direct = self._direct()
         if direct is not None:
-            return self._release_direct(direct, claim)
+            return self._release_direct(direct, claim, kept)
         params = owner_params(claim)
         stmt, exists = self._release_statement(), self._exists_statement()
-        attempts = 0
+        attempts = 1 if kept else 0  # a kept try follows one that may have landed
 
         def delete_own(conn: Connection) -> bool:
             nonlocal attempts
@@ -488,7 +528,7 @@ class DurableStore(StoreSchema):
 
         return self._run(delete_own, self._single())
 
-    def _release_direct(self, direct: DirectStatements, claim: Claim) -> bool:
+    def _release_direct(self, direct: DirectStatements, claim: Claim, kept: bool) -> bool:
         """:meth:`release` on the pooled psycopg2 connection directly (a fenced
         ``DELETE … RETURNING``), with the same reading of a retry that finds no row."""
         statement = self._direct_sql(
@@ -496,7 +536,7 @@ class DurableStore(StoreSchema):
         )
         exists = self._direct_sql("exists", self._exists_statement)
         params = owner_params(claim)
-        attempts = 0
+        attempts = 1 if kept else 0  # a kept try follows one that may have landed
 
         def delete_own(cursor: Any, info: dict[str, Any]) -> bool:
             nonlocal attempts

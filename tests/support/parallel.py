@@ -62,6 +62,7 @@ SHARED_SERVER_FIXTURES = frozenset(
         "private_pg",
         "private_mariadb",
         "berlin_mariadb",
+        "small_packet_mariadb",  # tests/fault_matrix/test_refusals.py
         "server",
     }
 )

@@ -59,6 +59,13 @@ class Dialect:
         """Let the transaction's statements wait at most a moment for another's row lock."""
         yield
 
+    def largest_body(self, conn: Connection) -> int | None:
+        """The largest response body a completion can carry on this database, read once
+        per store where the server says it (C58); ``None``: no limit known. A body over
+        it is stored as omitted (C33) without being sent: the database would refuse it
+        for good, on MySQL/MariaDB by resetting the connection."""
+        return None
+
     def is_retryable(self, exc: BaseException) -> bool:
         """A serialization failure, deadlock or lock-wait timeout of this database: the
         statement may succeed when run again in a fresh transaction (C26)."""

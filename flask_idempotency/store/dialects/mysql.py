@@ -47,6 +47,10 @@ def _now_ms_mysql(element: Any, compiler: Any, **kw: Any) -> str:
     )
 
 
+#: What a completion's statement holds besides its body (headers, SQL, the other values).
+_STATEMENT_ROOM = 64 * 1024
+
+
 class MySQL(Dialect):
     """MySQL 8 and MariaDB, with PyMySQL or mysqlclient."""
 
@@ -69,6 +73,12 @@ class MySQL(Dialect):
                 conn.exec_driver_sql("SET SESSION innodb_lock_wait_timeout = DEFAULT")
             except Exception:  # a dead connection is discarded by the pool anyway
                 pass
+
+    def largest_body(self, conn: Connection) -> int | None:
+        """Half of ``@@max_allowed_packet`` less 64 KiB for the rest of the statement: a
+        binary value is sent escaped, each byte as one or two (the worst case counts)."""
+        packet = conn.exec_driver_sql("SELECT @@max_allowed_packet").scalar()
+        return None if packet is None else max(0, (int(packet) - _STATEMENT_ROOM) // 2)
 
     def is_retryable(self, exc: BaseException) -> bool:
         errno = mysql_errno(exc)

@@ -42,6 +42,12 @@ def _now_ms_postgresql(element: Any, compiler: Any, **kw: Any) -> str:
     return "CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)"
 
 
+#: PostgreSQL's limit on one field's value and on one protocol message: 1 GB.
+_FIELD_LIMIT = 1024 * 1024 * 1024 - 1
+#: What a completion's statement holds besides its body.
+_STATEMENT_ROOM = 1024 * 1024
+
+
 class PostgreSQL(Dialect):
     """PostgreSQL, with psycopg2 or psycopg 3."""
 
@@ -91,6 +97,11 @@ class PostgreSQL(Dialect):
         """``SET LOCAL lock_timeout``, undone by the transaction's end."""
         conn.exec_driver_sql("SET LOCAL lock_timeout = '500ms'")
         yield
+
+    def largest_body(self, conn: Connection) -> int | None:
+        """Half of the 1 GB field and message limit less 1 MiB: psycopg2 sends ``bytea``
+        as hex text in the statement, two characters a byte (psycopg 3 sends it as is)."""
+        return (_FIELD_LIMIT - _STATEMENT_ROOM) // 2
 
     def is_retryable(self, exc: BaseException) -> bool:
         return sqlstate(exc) in _RETRYABLE_SQLSTATES

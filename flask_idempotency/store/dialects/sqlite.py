@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Table
+from sqlalchemy import Connection, Table
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.ext.compiler import compiles
 
@@ -27,6 +27,10 @@ def _now_ms_sqlite(element: Any, compiler: Any, **kw: Any) -> str:
 
 class SQLite(Dialect):
     """SQLite, through the standard library's sqlite3."""
+
+    def largest_body(self, conn: Connection) -> int | None:
+        """SQLite's default SQLITE_MAX_LENGTH (10^9 bytes a value; bound as a blob)."""
+        return 1_000_000_000
 
     def claim_statement(self, table: Table, values: dict[str, Any]) -> Any:
         return (
