@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -831,6 +832,19 @@ def wrk_run(
     raise RuntimeError(f"wrk gave no result: {done.stdout}\n{done.stderr}")
 
 
+def workers_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` have used so far (``/proc``)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a worker gone (recycled): its CPU is not counted
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / ticks
+
+
 def commit_ceiling(
     db_url: str, table: str, driver: str, threads: int, seconds: float
 ) -> dict[str, Any]:
@@ -934,17 +948,14 @@ def run_throughput(
                         commit_ceiling(db_url, "idem_ceiling", driver, int(mode), seconds)
                     )
                     continue
-                runs[f"{server}:{mode}"].append(
-                    wrk_run(
-                        script,
-                        servers[server].port,
-                        mode,
-                        seconds,
-                        connections,
-                        replay_keys,
-                        new_share,
-                    )
+                workers = servers[server].worker_pids()
+                cpu_before = workers_cpu_s(workers)
+                result = wrk_run(
+                    script, servers[server].port, mode, seconds, connections, replay_keys, new_share
                 )
+                spent = workers_cpu_s(workers) - cpu_before
+                result["cpu_us_per_request"] = spent * 1e6 / max(1, result["requests"])
+                runs[f"{server}:{mode}"].append(result)
             print(f"  throughput round {r + 1}/{rounds} done (load {loadavg()})", flush=True)
     finally:
         script.unlink(missing_ok=True)
@@ -962,6 +973,13 @@ def run_throughput(
             "p50_ms": statistics.median(run["p50_us"] for run in results) / 1000,
             "p99_ms": statistics.median(run["p99_us"] for run in results) / 1000,
             "non2xx": sum(run["non2xx"] for run in results),
+            # What the server's workers spent per answer: a load-independent figure, where
+            # req/s moves with whatever else the shared machine runs.
+            "cpu_us": (
+                statistics.median(run["cpu_us_per_request"] for run in results)
+                if all("cpu_us_per_request" in run for run in results)
+                else None
+            ),
             "errors": sum(run["errors"] for run in results),
         }
     return out

@@ -329,8 +329,8 @@ def write(
             " keys. wrk shares the 2 cores with the servers. Ratio = req/s ÷ the plain app's bare route req/s"
             " in the same round.",
             "",
-            "| server | load | req/s (median) | ratio to bare | range | p50 ms | p99 ms | non-2xx | socket errors |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| server | load | req/s (median) | ratio to bare | range | worker CPU µs / request | p50 ms | p99 ms | non-2xx | socket errors |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         names = {
             "plain": "plain Flask app",
@@ -347,7 +347,7 @@ def write(
             server, mode = cell.split(":")
             lines.append(
                 f"| {names[server]} | {loads_[mode]} | {row['rps']:,.0f} | {row['ratio']:.2f}× |"
-                f" {row['ratio_min']:.2f}–{row['ratio_max']:.2f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} |"
+                f" {row['ratio_min']:.2f}–{row['ratio_max']:.2f} | {'n/a' if row.get('cpu_us') is None else _us(row['cpu_us'])} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} |"
                 f" {row['non2xx']} | {row['errors']} |"
             )
     lines += ["", "## 4. Wake-up of parked duplicates (gunicorn)", ""]

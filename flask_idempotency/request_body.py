@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Callable
 from typing import IO, Any
 
-from werkzeug.wsgi import LimitedStream
+from werkzeug.wsgi import LimitedStream, get_content_length
 
 from .problems import RequestTooLarge
 
@@ -114,7 +114,9 @@ def limit(req: Any, cap: int) -> None:
     if environ.get(_LIMITED):
         return
     environ[_LIMITED] = True
-    length = req.content_length
+    # Werkzeug's reading of the environ itself, as ``req.content_length`` gives it, without
+    # building the request's header view only for it (a replay never uses that view).
+    length = get_content_length(environ)
     if "wsgi.input_terminated" not in environ:
         # Werkzeug reads up to Content-Length (refusing one over MAX_CONTENT_LENGTH
         # itself), or nothing without one: only the layer's own cap to judge.

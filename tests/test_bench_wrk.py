@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import http.server
+import os
 import shutil
 import socketserver
 import threading
@@ -67,3 +68,16 @@ def test_i21_4_the_wrk_scripts_new_keys_are_each_sent_once(
     assert [key for key, n in new.items() if n > 1] == []
     if mode == "mix":  # about a tenth new, the rest replays of the 200 stored keys
         assert 0.03 < len(new) / sum(seen.values()) < 0.3
+
+
+def test_i36_3_worker_cpu_is_read_from_proc_and_a_gone_worker_counts_nothing() -> None:
+    """Throughput cells give the workers' CPU per request beside req/s (issue 36 item 3):
+    read from ``/proc/<pid>/stat`` (user + system), the same figure ``os.times`` gives for
+    this process; a worker gone between the two reads adds nothing rather than failing."""
+    spent = bench_paths.workers_cpu_s([os.getpid()])
+    times = os.times()
+    assert spent > 0
+    assert abs(spent - (times.user + times.system)) < 0.1  # /proc counts in clock ticks
+    gone = 2**22 + 1  # above pid_max's largest default: no such process
+    assert bench_paths.workers_cpu_s([gone]) == 0
+    assert bench_paths.workers_cpu_s([os.getpid(), gone]) >= spent
