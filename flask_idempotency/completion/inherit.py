@@ -25,12 +25,13 @@ import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .. import signals
 from ..records import Completed
 from ..store import StoreError
 from . import deferred, spool
+from .ownership import Teller
 
 if TYPE_CHECKING:
     from flask import Flask
@@ -51,7 +52,7 @@ _NEVER: tuple[float, Path | None, Callable[[], object]] = (0.0, None, lambda: No
 _SCANS_KEPT = 256
 
 
-class Heir:
+class Heir(Teller):
     """The owner of an adopted settlement (:class:`.deferred.Owner`): it reports through
     this process's app."""
 
@@ -73,33 +74,9 @@ class Heir:
     def lease_seconds(self) -> float:
         return self.handover.lease
 
-    def emit(self, signal: Any, **extra: Any) -> None:
-        if signal.receivers:
-            signals.send(
-                signal,
-                self.app,
-                key_digest=self.ident.key_digest,
-                scope=self.ident.scope,
-                route=self.handover.route,
-                duration=time.perf_counter() - self.started,
-                **extra,
-            )
-
-    def lease_lost(self, action: str) -> None:
-        log.warning(
-            "idempotency: lease on %s was taken over before %s; the new owner's record stands",
-            self.ident.key_digest[:16],
-            action,
-        )
-        self.emit(signals.lease_lost, action=action)
-
-    def report_lease(self, reason: str) -> None:
-        log.warning(
-            "idempotency: the lease on %s could not be renewed (%s)",
-            self.ident.key_digest[:16],
-            reason,
-        )
-        self.emit(signals.lease_renewal_failed, reason=reason)
+    @property
+    def route(self) -> str | None:
+        return self.handover.route
 
 
 def pick_up(state: AppState, app: Flask) -> int:

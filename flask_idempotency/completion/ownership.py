@@ -29,8 +29,56 @@ if TYPE_CHECKING:
 log = logging.getLogger("flask_idempotency")
 
 
+class Teller:
+    """What the owner of a record tells: its signals and its lease's log lines, from
+    the request's :class:`Ownership` or from the process that adopted a settlement an
+    ended one handed on (:class:`.inherit.Heir`). Each names the app that sends the
+    signals, the key's identity, the route and when the owner began."""
+
+    __slots__ = ()
+
+    if TYPE_CHECKING:
+        app: Flask
+        started: float
+
+        @property
+        def ident(self) -> Identity: ...
+        @property
+        def route(self) -> str | None: ...
+
+    def emit(self, signal: Any, **extra: Any) -> None:
+        """Send a decision's signal: digest, scope, route and time spent, never the key (C30)."""
+        if signal.receivers:
+            signals.send(
+                signal,
+                self.app,
+                key_digest=self.ident.key_digest,
+                scope=self.ident.scope,
+                route=self.route,
+                duration=time.perf_counter() - self.started,
+                **extra,
+            )
+
+    def lease_lost(self, action: str) -> None:
+        log.warning(
+            "idempotency: lease on %s was taken over before %s; the new owner's record stands",
+            self.ident.key_digest[:16],
+            action,
+        )
+        self.emit(signals.lease_lost, action=action)
+
+    def report_lease(self, reason: str) -> None:
+        """The renewer's report that the lease could not be renewed (on its thread)."""
+        log.warning(
+            "idempotency: the lease on %s could not be renewed (%s)",
+            self.ident.key_digest[:16],
+            reason,
+        )
+        self.emit(signals.lease_renewal_failed, reason=reason)
+
+
 @dataclasses.dataclass(slots=True)
-class Ownership:
+class Ownership(Teller):
     """This request owns a record; it must end stored or released (C15).
 
     With slots: one is made per first execution, and setting its fields is part of
@@ -84,35 +132,3 @@ class Ownership:
     def resume_heartbeat(self) -> None:
         if self.lease is not None and not self.settled:
             heartbeat.resume(self.lease)
-
-    def report_lease(self, reason: str) -> None:
-        """The renewer's report that the lease could not be renewed (on its thread)."""
-        log.warning(
-            "idempotency: the lease on %s could not be renewed (%s)",
-            self.ident.key_digest[:16],
-            reason,
-        )
-        self.emit(signals.lease_renewal_failed, reason=reason)
-
-    # -- telling --------------------------------------------------------------------------
-
-    def emit(self, signal: Any, **extra: Any) -> None:
-        """Send a decision's signal: digest, scope, route and time spent, never the key (C30)."""
-        if signal.receivers:
-            signals.send(
-                signal,
-                self.app,
-                key_digest=self.ident.key_digest,
-                scope=self.ident.scope,
-                route=self.route,
-                duration=time.perf_counter() - self.started,
-                **extra,
-            )
-
-    def lease_lost(self, action: str) -> None:
-        log.warning(
-            "idempotency: lease on %s was taken over before %s; the new owner's record stands",
-            self.ident.key_digest[:16],
-            action,
-        )
-        self.emit(signals.lease_lost, action=action)
