@@ -390,7 +390,7 @@ class DurableStore(StoreSchema):
         with self._largest_lock:
             if not self._largest_read:
                 try:
-                    self._largest_body = self._run(lambda conn: of(conn).largest_body(conn))
+                    self._largest_body = of(self.engine).largest_body(self._run)
                 except StoreError:
                     return None
                 self._largest_read = True

@@ -6,7 +6,7 @@ A database the store has no module for gets exactly these; its claim is refused
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,11 +59,13 @@ class Dialect:
         """Let the transaction's statements wait at most a moment for another's row lock."""
         yield
 
-    def largest_body(self, conn: Connection) -> int | None:
-        """The largest response body a completion can carry on this database, read once
-        per store where the server says it (C58); ``None``: no limit known. A body over
-        it is stored as omitted (C33) without being sent: the database would refuse it
-        for good, on MySQL/MariaDB by resetting the connection."""
+    def largest_body(self, ask: Callable[[Callable[[Connection], Any]], Any]) -> int | None:
+        """The largest response body a completion can carry on this database (C58);
+        ``None``: no limit known. A body over it is stored as omitted (C33) without being
+        sent: the database would refuse it for good, on MySQL/MariaDB by resetting the
+        connection. A database that says it only when asked runs its query through
+        ``ask`` (once per store); one whose limit is fixed answers without a connection,
+        so no request pays a round trip or holds a pooled connection for it."""
         return None
 
     def is_retryable(self, exc: BaseException) -> bool:

@@ -13,7 +13,7 @@ row it now holds locked.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -74,10 +74,10 @@ class MySQL(Dialect):
             except Exception:  # a dead connection is discarded by the pool anyway
                 pass
 
-    def largest_body(self, conn: Connection) -> int | None:
+    def largest_body(self, ask: Callable[[Callable[[Connection], Any]], Any]) -> int | None:
         """Half of ``@@max_allowed_packet`` less 64 KiB for the rest of the statement: a
         binary value is sent escaped, each byte as one or two (the worst case counts)."""
-        packet = conn.exec_driver_sql("SELECT @@max_allowed_packet").scalar()
+        packet = ask(lambda conn: conn.exec_driver_sql("SELECT @@max_allowed_packet").scalar())
         return None if packet is None else max(0, (int(packet) - _STATEMENT_ROOM) // 2)
 
     def is_retryable(self, exc: BaseException) -> bool:

@@ -7,7 +7,7 @@ autocommit: its claim and the record in its way come back from one statement
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -98,7 +98,7 @@ class PostgreSQL(Dialect):
         conn.exec_driver_sql("SET LOCAL lock_timeout = '500ms'")
         yield
 
-    def largest_body(self, conn: Connection) -> int | None:
+    def largest_body(self, ask: Callable[[Callable[[Connection], Any]], Any]) -> int | None:
         """Half of the 1 GB field and message limit less 1 MiB: psycopg2 sends ``bytea``
         as hex text in the statement, two characters a byte (psycopg 3 sends it as is)."""
         return (_FIELD_LIMIT - _STATEMENT_ROOM) // 2

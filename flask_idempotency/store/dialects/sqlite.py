@@ -6,6 +6,7 @@ for (one writer at a time), no retryable error codes, a prune without a cursor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import Connection, Table
@@ -28,7 +29,7 @@ def _now_ms_sqlite(element: Any, compiler: Any, **kw: Any) -> str:
 class SQLite(Dialect):
     """SQLite, through the standard library's sqlite3."""
 
-    def largest_body(self, conn: Connection) -> int | None:
+    def largest_body(self, ask: Callable[[Callable[[Connection], Any]], Any]) -> int | None:
         """SQLite's default SQLITE_MAX_LENGTH (10^9 bytes a value; bound as a blob)."""
         return 1_000_000_000
 
