@@ -9,6 +9,7 @@ never counts as a pass there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from sqlalchemy.engine import URL, make_url
 from flask_idempotency import Idempotency
 from tests.support import parallel
 from tests.support.binaries import system_binary
+from tests.support.mariadb_server import MariaDBServer, mariadb_binaries
 from tests.support.summary import SummaryTables
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -66,6 +68,25 @@ def pg_database() -> Iterator[URL]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@contextlib.contextmanager
+def running_mariadb(directory: Path, **settings: Any) -> Iterator[MariaDBServer]:
+    """A MariaDB of the test's own in ``directory`` (``settings``: MariaDBServer's), stopped
+    by pid afterwards: for a setting the machine's server must keep (a time zone, a packet
+    limit) or a server the test may break. Skips without the binaries (fails in CI)."""
+    if mariadb_binaries() is None:
+        service_missing("a private MariaDB", "mariadbd / mariadb-install-db are not installed")
+    server = MariaDBServer(directory, **settings)
+    try:
+        server.start()
+    except (OSError, RuntimeError) as exc:
+        server.stop()
+        pytest.fail(f"could not start a private MariaDB: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 #: PostgreSQL drivers the store is tested on: psycopg2 and psycopg 3.

@@ -53,8 +53,8 @@ from flask_idempotency.records import Claim, Identity, Record
 from flask_idempotency.store import DurableStore
 from flask_idempotency.store.clock import db_now_ms
 from flask_idempotency.store.connect import create_store_engine
-from tests.conftest import close_stores, driver_url, service_missing
-from tests.support.mariadb_server import MariaDBServer, mariadb_binaries
+from tests.conftest import close_stores, driver_url, running_mariadb
+from tests.support.mariadb_server import MariaDBServer
 
 BERLIN = ZoneInfo("Europe/Berlin")
 TTL, LEASE = 86400.0, 60.0  # the defaults (IDEMPOTENCY_TTL, IDEMPOTENCY_LEASE)
@@ -113,18 +113,9 @@ class Clocked:
 @pytest.fixture(scope="module")
 def berlin_mariadb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MariaDBServer]:
     """A private MariaDB whose host zone is Europe/Berlin; ``time_zone`` left at SYSTEM."""
-    if mariadb_binaries() is None:
-        service_missing("a private MariaDB", "mariadbd / mariadb-install-db are not installed")
-    server = MariaDBServer(tmp_path_factory.mktemp("mariadb-berlin"), timezone="Europe/Berlin")
-    try:
-        server.start()
-    except (OSError, RuntimeError) as exc:
-        server.stop()
-        pytest.fail(f"could not start a private MariaDB: {exc}")
-    try:
+    directory = tmp_path_factory.mktemp("mariadb-berlin")
+    with running_mariadb(directory, timezone="Europe/Berlin") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

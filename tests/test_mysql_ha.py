@@ -30,8 +30,8 @@ from sqlalchemy import event
 
 from flask_idempotency import idempotent
 from flask_idempotency.store.errors import is_read_only, sqlstate
-from tests.conftest import service_missing
-from tests.support.mariadb_server import MariaDBServer, mariadb_binaries
+from tests.conftest import running_mariadb, service_missing
+from tests.support.mariadb_server import MariaDBServer
 from tests.support.waiting import wait_until
 
 #: The MySQL drivers the project supports; mysqlclient is optional (the Makefile adds it
@@ -136,18 +136,8 @@ class PrivateMariaDB:
 
 @pytest.fixture(scope="module")
 def private_mariadb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateMariaDB]:
-    if mariadb_binaries() is None:
-        service_missing("a private MariaDB", "mariadbd / mariadb-install-db are not installed")
-    server = MariaDBServer(Path(tmp_path_factory.mktemp("ha-mariadb")))
-    try:
-        server.start()
-    except (OSError, RuntimeError) as exc:
-        server.stop()
-        pytest.fail(f"could not start a private MariaDB: {exc}")
-    try:
+    with running_mariadb(Path(tmp_path_factory.mktemp("ha-mariadb"))) as server:
         yield PrivateMariaDB(server)
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -46,8 +46,8 @@ from sqlalchemy.pool import NullPool
 from flask_idempotency import idempotent, signals
 from flask_idempotency.completion import deferred
 from flask_idempotency.records import COMPLETED
-from tests.conftest import driver_url, service_missing
-from tests.support.mariadb_server import MariaDBServer, mariadb_binaries
+from tests.conftest import driver_url, running_mariadb
+from tests.support.mariadb_server import MariaDBServer
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.waiting import wait_until
 from tests.test_lifecycle import KEY, REPLAYED, rows
@@ -172,20 +172,9 @@ def test_c58_a_completion_refused_even_without_its_body_releases_the_key(
 @pytest.fixture(scope="module")
 def small_packet_mariadb(tmp_path_factory: Any) -> Iterator[MariaDBServer]:
     """A private MariaDB with ``max_allowed_packet`` = 1 MiB (the machine's is left as is)."""
-    if mariadb_binaries() is None:
-        service_missing("a private MariaDB", "mariadbd / mariadb-install-db are not installed")
-    server = MariaDBServer(
-        tmp_path_factory.mktemp("mariadb-packet"), options=("--max-allowed-packet=1M",)
-    )
-    try:
-        server.start()
-    except (OSError, RuntimeError) as exc:
-        server.stop()
-        pytest.fail(f"could not start a private MariaDB: {exc}")
-    try:
+    directory = tmp_path_factory.mktemp("mariadb-packet")
+    with running_mariadb(directory, options=("--max-allowed-packet=1M",)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.mysql
