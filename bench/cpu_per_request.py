@@ -141,7 +141,9 @@ def profile(step: Callable[[], None], n: int, top: int = 15) -> str:
         step()
     profiler.disable()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    pstats.Stats(profiler, stream=out).sort_stats(
+        os.environ.get("PROFILE_SORT", "tottime")
+    ).print_stats(int(os.environ.get("PROFILE_TOP", top)))
     return out.getvalue()
 
 

@@ -23,6 +23,7 @@ import http.client
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import tempfile
@@ -845,6 +846,62 @@ def workers_cpu_s(pids: list[int]) -> float:
     return total / ticks
 
 
+#: The parts of the machine's CPU a throughput cell reports per request.
+SPLIT = ("machine", "postgres", "redis", "wrk")
+
+
+def processes_named(name: str) -> list[int]:
+    """The pids of the processes whose command name (``/proc/PID/comm``) is ``name``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if Path(f"/proc/{entry}/comm").read_text().strip() == name:
+                    found.append(int(entry))
+            except OSError:
+                continue  # gone meanwhile
+    return found
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all but idle and iowait, ``/proc/stat``)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_split(redis_port: int) -> dict[str, float]:
+    """CPU seconds so far: the machine, PostgreSQL's processes, the bench's redis-server
+    (found by its port), and this process's waited-for children (each ``wrk`` run)."""
+    redis = [
+        pid
+        for pid in processes_named("redis-server")
+        if f"\0{redis_port}\0" in _cmdline(pid) or f":{redis_port}" in _cmdline(pid)
+    ]
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {
+        "machine": machine_busy_s(),
+        "postgres": workers_cpu_s(processes_named("postgres")),
+        "redis": workers_cpu_s(redis),
+        "wrk": children.ru_utime + children.ru_stime,
+    }
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
+def per_request(
+    before: dict[str, float], after: dict[str, float], requests: int
+) -> dict[str, float]:
+    """µs per request of each part between two :func:`machine_split` readings. A PostgreSQL
+    backend that ended between them is not counted: the servers' pools keep theirs."""
+    n = max(1, requests)
+    return {f"{part}_us": (after[part] - before[part]) * 1e6 / n for part in SPLIT}
+
+
 def commit_ceiling(
     db_url: str, table: str, driver: str, threads: int, seconds: float
 ) -> dict[str, Any]:
@@ -923,7 +980,13 @@ def run_throughput(
     replay_keys: int,
     new_share: float,
 ) -> dict[str, Any]:
-    """Each cell once per round, shuffled; ratio = req/s ÷ the plain bare route's, same round."""
+    """Each cell once per round, shuffled; ratio = req/s ÷ the plain bare route's, same round.
+
+    Beside req/s, each cell's CPU per request: the app's workers, and the whole machine
+    split by process (:func:`machine_split`), since on a shared 2-core machine what
+    PostgreSQL and Redis spend per request takes from the workers' share too.
+    """
+    redis_port = int(servers["ours"].env["REDIS_URL"].rsplit(":", 1)[1].split("/")[0])
     # The ceiling's table, made by the extension (same columns and indexes as ours).
     WsgiCaller(create_app("ours", database_url=db_url, table="idem_ceiling"), "/pay")("warm")
     with tempfile.NamedTemporaryFile(
@@ -944,17 +1007,23 @@ def run_throughput(
             for server, mode in order:
                 if server.startswith("ceiling-"):
                     driver = server.removeprefix("ceiling-")
-                    runs[f"{server}:{mode}"].append(
-                        commit_ceiling(db_url, "idem_ceiling", driver, int(mode), seconds)
+                    split_before = machine_split(redis_port)
+                    result = commit_ceiling(db_url, "idem_ceiling", driver, int(mode), seconds)
+                    result |= per_request(
+                        split_before, machine_split(redis_port), result["requests"]
                     )
+                    result["postgres_us"] = float("nan")  # its backends ended before the reading
+                    runs[f"{server}:{mode}"].append(result)
                     continue
                 workers = servers[server].worker_pids()
                 cpu_before = workers_cpu_s(workers)
+                split_before = machine_split(redis_port)
                 result = wrk_run(
                     script, servers[server].port, mode, seconds, connections, replay_keys, new_share
                 )
                 spent = workers_cpu_s(workers) - cpu_before
                 result["cpu_us_per_request"] = spent * 1e6 / max(1, result["requests"])
+                result |= per_request(split_before, machine_split(redis_port), result["requests"])
                 runs[f"{server}:{mode}"].append(result)
             print(f"  throughput round {r + 1}/{rounds} done (load {loadavg()})", flush=True)
     finally:
@@ -982,4 +1051,6 @@ def run_throughput(
             ),
             "errors": sum(run["errors"] for run in results),
         }
+        for part in SPLIT:
+            out[cell][f"{part}_us"] = statistics.median(run[f"{part}_us"] for run in results)
     return out

@@ -86,6 +86,12 @@ def analyse(paths: list[Path_]) -> dict[str, Any]:
     }
 
 
+def _split(value: float | None) -> str:
+    """A CPU µs figure of the machine split; ``n/a`` where it was not read (older results,
+    or PostgreSQL for the ceiling, whose backends end before the reading)."""
+    return "n/a" if value is None or value != value else _us(value)
+
+
 def _us(value: float) -> str:
     return f"{value:,.0f}"
 
@@ -171,6 +177,7 @@ def driver_goal_lines(inproc: dict[str, Any], throughput: dict[str, Any] | None)
                 f"- All new keys, {DRIVER_NAMES[driver]}, at least idemkit's Redis-only backend:"
                 f" {ours['ratio']:.2f}× bare ({ours['rps']:,.0f} req/s) vs {ik['ratio']:.2f}×"
                 f" ({ik['rps']:,.0f} req/s): {verdict(ours['ratio'] >= ik['ratio'])}."
+                + _cpu_split_note(ours, ik)
             )
         ceilings = [
             f"{cell.split(':')[1]} threads {DRIVER_NAMES[cell.split(':')[0].removeprefix('ceiling-')]}"
@@ -184,6 +191,17 @@ def driver_goal_lines(inproc: dict[str, Any], throughput: dict[str, Any] | None)
                 " synchronous commit): " + "; ".join(ceilings) + "."
             )
     return lines
+
+
+def _cpu_split_note(ours: dict[str, Any], ik: dict[str, Any]) -> str:
+    """Where the machine's CPU per request went, ours against idemkit's, when it was read."""
+    if ours.get("machine_us") is None or ik.get("machine_us") is None:
+        return ""
+    return (
+        f" Machine CPU per request {_us(ours['machine_us'])} µs (workers {_us(ours['cpu_us'])},"
+        f" PostgreSQL {_us(ours['postgres_us'])}, Redis {_us(ours['redis_us'])}) vs"
+        f" {_us(ik['machine_us'])} µs (workers {_us(ik['cpu_us'])}, Redis {_us(ik['redis_us'])})."
+    )
 
 
 def verdict(ok: bool) -> str:
@@ -329,8 +347,12 @@ def write(
             " keys. wrk shares the 2 cores with the servers. Ratio = req/s ÷ the plain app's bare route req/s"
             " in the same round.",
             "",
-            "| server | load | req/s (median) | ratio to bare | range | worker CPU µs / request | p50 ms | p99 ms | non-2xx | socket errors |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "CPU µs per request (medians over rounds): the app's gunicorn workers; PostgreSQL's"
+            " processes; the bench's redis-server; wrk; and the whole machine (everything busy,"
+            " kernel included), which is what sets req/s when all of them share 2 cores.",
+            "",
+            "| server | load | req/s (median) | ratio to bare | range | worker CPU µs / request | PostgreSQL CPU | Redis CPU | wrk CPU | machine CPU | p50 ms | p99 ms | non-2xx | socket errors |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         names = {
             "plain": "plain Flask app",
@@ -347,7 +369,9 @@ def write(
             server, mode = cell.split(":")
             lines.append(
                 f"| {names[server]} | {loads_[mode]} | {row['rps']:,.0f} | {row['ratio']:.2f}× |"
-                f" {row['ratio_min']:.2f}–{row['ratio_max']:.2f} | {'n/a' if row.get('cpu_us') is None else _us(row['cpu_us'])} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} |"
+                f" {row['ratio_min']:.2f}–{row['ratio_max']:.2f} | {'n/a' if row.get('cpu_us') is None else _us(row['cpu_us'])} |"
+                f" {' | '.join(_split(row.get(f'{part}_us')) for part in ('postgres', 'redis', 'wrk', 'machine'))} |"
+                f" {row['p50_ms']:.1f} | {row['p99_ms']:.1f} |"
                 f" {row['non2xx']} | {row['errors']} |"
             )
     lines += ["", "## 4. Wake-up of parked duplicates (gunicorn)", ""]

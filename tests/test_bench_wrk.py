@@ -81,3 +81,26 @@ def test_i36_3_worker_cpu_is_read_from_proc_and_a_gone_worker_counts_nothing() -
     gone = 2**22 + 1  # above pid_max's largest default: no such process
     assert bench_paths.workers_cpu_s([gone]) == 0
     assert bench_paths.workers_cpu_s([os.getpid(), gone]) >= spent
+
+
+def test_i36_3_the_machine_split_counts_a_named_process_and_the_whole_machine() -> None:
+    """Throughput cells split the machine's CPU per request by process (issue 36 item 3):
+    a busy child named like a server is found by its command name and its CPU counted,
+    the machine's busy time grows at least by it, and a waited-for child (as each wrk
+    run is) counts in ``wrk``."""
+    import subprocess
+    import sys
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    before = bench_paths.machine_split(redis_port=1)
+    child = subprocess.Popen([sys.executable, "-c", burn])
+    try:
+        comm = Path(f"/proc/{child.pid}/comm").read_text().strip()
+        assert child.pid in bench_paths.processes_named(comm)
+    finally:
+        child.wait()
+    after = bench_paths.machine_split(redis_port=1)
+    split = bench_paths.per_request(before, after, requests=1)
+    assert split["wrk_us"] >= 0.35e6  # the waited-for child's 0.4 s, in µs per "request"
+    assert split["machine_us"] >= 0.35e6
+    assert split["redis_us"] == 0  # no redis-server listens on port 1
