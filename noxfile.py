@@ -107,7 +107,8 @@ def oldest(session: nox.Session) -> None:
 
 @nox.session(python=NEWEST_PYTHON)
 def newest(session: nox.Session) -> None:
-    """The newest Python here with the newest release of every dependency."""
-    session.install("--upgrade", "-e", ".[redis,postgresql,psycopg]", *_test_requirements())
+    """The newest Python here with the newest release of every dependency, hiredis included
+    (the ``speedups`` extra: redis-py parses every reply with it)."""
+    session.install("--upgrade", "-e", ".[redis,postgresql,psycopg,speedups]", *_test_requirements())
     session.run("python", "-m", "pip", "freeze", "--exclude-editable")
     _pytest(session)

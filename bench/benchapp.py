@@ -17,6 +17,7 @@ in-process ones. Nothing else is added to any app: the bare route is the baselin
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -72,6 +73,8 @@ def create_app(
         )
         if redis_url:
             app.config["IDEMPOTENCY_REDIS_URL"] = redis_url
+        # What one option costs: ``BENCH_CONFIG='{"IDEMPOTENCY_HEARTBEAT": false}'``.
+        app.config.update(json.loads(os.environ.get("BENCH_CONFIG") or "{}"))
         app.add_url_rule("/pay", "pay", idempotent(_pay), methods=["POST"])
         Idempotency(app)
     else:
