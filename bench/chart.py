@@ -46,7 +46,8 @@ def draw(results: dict[str, Any], out: Path) -> Path:
     drivers = {(row["key"], row["driver"]): row for row in inproc.get("drivers", [])}
     rows = {row["key"]: row for row in inproc["rows"]}
     throughput = results.get("throughput")
-    panels = 3 if throughput else 2
+    split = bool(throughput) and throughput.get("ours:new", {}).get("machine_us") is not None
+    panels = 2 + bool(throughput) + split
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.4), constrained_layout=True)
     width = 0.26
     for ax, measure, title in (
@@ -100,6 +101,8 @@ def draw(results: dict[str, Any], out: Path) -> Path:
         ax.set_xticks([0, 1], ["90 % replays", "all new keys"], fontsize=8)
         ax.set_title("gunicorn + wrk, req/s ÷ the bare route's", fontsize=10)
         ax.legend(fontsize=7, loc="center right")
+    if split:
+        _cpu_split(axes[3], throughput)
     meta = results["meta"]
     fig.suptitle(
         f"make bench, {meta['date']}, load {min(meta['loads'])}–{max(meta['loads'])}",
@@ -109,6 +112,42 @@ def draw(results: dict[str, Any], out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+#: The parts of a request's machine CPU, stacked bottom to top (bench/paths.py SPLIT).
+_PARTS = (
+    ("cpu_us", "app's workers", "#4c72b0"),
+    ("postgres_us", "PostgreSQL", "#dd8452"),
+    ("redis_us", "Redis", "#c44e52"),
+    ("wrk_us", "wrk", "#8c8c8c"),
+)
+
+
+def _cpu_split(ax: Any, throughput: dict[str, Any]) -> None:
+    """Machine CPU µs per request with all new keys, stacked by process: what sets req/s
+    when the servers, the databases and the load generator share 2 cores."""
+    cells = [
+        ("ours", "ours\npsycopg2"),
+        ("ours-psycopg", "ours\npsycopg 3"),
+        ("ik-redis", "idemkit\nRedis only"),
+        ("ik-pg", "idemkit\nPostgreSQL"),
+    ]
+    shown = [(server, label) for server, label in cells if f"{server}:new" in throughput]
+    for i, (server, _) in enumerate(shown):
+        row = throughput[f"{server}:new"]
+        bottom = 0.0
+        for key, name, colour in _PARTS:
+            value = row.get(key) or 0.0
+            ax.bar(i, value, 0.6, bottom=bottom, color=colour, label=name if i == 0 else "_")
+            bottom += value
+        other = max(0.0, row["machine_us"] - bottom)  # the kernel, everything else
+        ax.bar(i, other, 0.6, bottom=bottom, color="#e5e5e5", label="rest" if i == 0 else "_")
+    ax.set_xticks(range(len(shown)), [label for _, label in shown], fontsize=8)
+    ax.set_title("all new keys: machine CPU µs per request", fontsize=10)
+    ax.set_ylabel("CPU µs per request (median over rounds)", fontsize=8)
+    top = max(throughput[f"{server}:new"]["machine_us"] for server, _ in shown)
+    ax.set_ylim(0, top * 1.3)  # room for the legend above the bars
+    ax.legend(fontsize=7, loc="upper left", ncol=3)
 
 
 def main() -> int:
