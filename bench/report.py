@@ -281,9 +281,15 @@ def write(
         ),
         (
             f"**Load:** 1-minute load average {loads[0]} at the start, {min(loads)}–{max(loads)} during the run,"
-            f" {meta['load_after']} at the end, on {v['cores']} cores shared with other test suites running at the"
-            " same time. Every figure below is a ratio to a path measured in the same rounds, interleaved,"
-            " for that reason."
+            f" {meta['load_after']} at the end, on {v['cores']} cores"
+            + (
+                " with nothing else running at the start (the bench's own servers, databases and wrk"
+                " load it as it goes)."
+                if float(loads[0]) < 1
+                else " shared with whatever else ran at the time (the start was not quiet)."
+            )
+            + " Every figure below is a ratio to a path measured in the same rounds, interleaved,"
+            " so that the machine's state weighs on both sides alike."
         ),
         "",
         noise_line(inproc, "in-process"),
