@@ -14,7 +14,8 @@ round by round (each round runs every path once), per PostgreSQL driver:
 
 Reports the median over rounds of each round's mean CPU µs per request, the spread over
 rounds (the run's noise), the replay's CPU above its floor and the load average.
-``--profile`` adds the top own-time functions of a replay and a first execution.
+``--profile`` adds the top own-time functions of a replay and a first execution
+(``PROFILE_SORT=cumulative`` and ``PROFILE_TOP=N`` change the order and the length).
 """
 
 from __future__ import annotations

@@ -869,28 +869,31 @@ def machine_busy_s() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def machine_split(redis_port: int) -> dict[str, float]:
+def redis_server_pids(port: int) -> list[int]:
+    """The redis-server listening on ``port``: its command line names the port, as given
+    (``--port N``) or as redis-server retitles itself (``127.0.0.1:N``)."""
+    found = []
+    for pid in processes_named("redis-server"):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        if f"\0{port}\0" in cmdline or f":{port}" in cmdline:
+            found.append(pid)
+    return found
+
+
+def machine_split(redis_pids: list[int]) -> dict[str, float]:
     """CPU seconds so far: the machine, PostgreSQL's processes, the bench's redis-server
-    (found by its port), and this process's waited-for children (each ``wrk`` run)."""
-    redis = [
-        pid
-        for pid in processes_named("redis-server")
-        if f"\0{redis_port}\0" in _cmdline(pid) or f":{redis_port}" in _cmdline(pid)
-    ]
+    (``redis_pids``, found once by :func:`redis_server_pids`), and this process's
+    waited-for children (each ``wrk`` run)."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     return {
         "machine": machine_busy_s(),
         "postgres": workers_cpu_s(processes_named("postgres")),
-        "redis": workers_cpu_s(redis),
+        "redis": workers_cpu_s(redis_pids),
         "wrk": children.ru_utime + children.ru_stime,
     }
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return ""
 
 
 def per_request(
@@ -987,6 +990,7 @@ def run_throughput(
     PostgreSQL and Redis spend per request takes from the workers' share too.
     """
     redis_port = int(servers["ours"].env["REDIS_URL"].rsplit(":", 1)[1].split("/")[0])
+    redis_pids = redis_server_pids(redis_port)
     # The ceiling's table, made by the extension (same columns and indexes as ours).
     WsgiCaller(create_app("ours", database_url=db_url, table="idem_ceiling"), "/pay")("warm")
     with tempfile.NamedTemporaryFile(
@@ -1007,23 +1011,23 @@ def run_throughput(
             for server, mode in order:
                 if server.startswith("ceiling-"):
                     driver = server.removeprefix("ceiling-")
-                    split_before = machine_split(redis_port)
+                    split_before = machine_split(redis_pids)
                     result = commit_ceiling(db_url, "idem_ceiling", driver, int(mode), seconds)
                     result |= per_request(
-                        split_before, machine_split(redis_port), result["requests"]
+                        split_before, machine_split(redis_pids), result["requests"]
                     )
                     result["postgres_us"] = float("nan")  # its backends ended before the reading
                     runs[f"{server}:{mode}"].append(result)
                     continue
                 workers = servers[server].worker_pids()
                 cpu_before = workers_cpu_s(workers)
-                split_before = machine_split(redis_port)
+                split_before = machine_split(redis_pids)
                 result = wrk_run(
                     script, servers[server].port, mode, seconds, connections, replay_keys, new_share
                 )
                 spent = workers_cpu_s(workers) - cpu_before
                 result["cpu_us_per_request"] = spent * 1e6 / max(1, result["requests"])
-                result |= per_request(split_before, machine_split(redis_port), result["requests"])
+                result |= per_request(split_before, machine_split(redis_pids), result["requests"])
                 runs[f"{server}:{mode}"].append(result)
             print(f"  throughput round {r + 1}/{rounds} done (load {loadavg()})", flush=True)
     finally:

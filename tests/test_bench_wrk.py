@@ -92,15 +92,16 @@ def test_i36_3_the_machine_split_counts_a_named_process_and_the_whole_machine() 
     import sys
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
-    before = bench_paths.machine_split(redis_port=1)
+    before = bench_paths.machine_split(redis_pids=[])
     child = subprocess.Popen([sys.executable, "-c", burn])
     try:
         comm = Path(f"/proc/{child.pid}/comm").read_text().strip()
         assert child.pid in bench_paths.processes_named(comm)
     finally:
         child.wait()
-    after = bench_paths.machine_split(redis_port=1)
+    after = bench_paths.machine_split(redis_pids=[])
     split = bench_paths.per_request(before, after, requests=1)
     assert split["wrk_us"] >= 0.35e6  # the waited-for child's 0.4 s, in µs per "request"
     assert split["machine_us"] >= 0.35e6
-    assert split["redis_us"] == 0  # no redis-server listens on port 1
+    assert split["redis_us"] == 0  # no redis-server given
+    assert bench_paths.redis_server_pids(1) == []  # none listens on port 1
