@@ -28,6 +28,8 @@ from werkzeug.serving import make_server
 
 from flask_idempotency import idempotent
 
+from .test_lifecycle import states
+
 CAP = 64 * 1024
 KEY = "key-34"
 BOUNDARY = "b0undary34"
@@ -384,3 +386,77 @@ def test_c31_under_gunicorn_an_upload_with_a_form_key_is_refused_before_it_is_re
             assert headers.get("Idempotent-Replayed", "") == replayed
     finally:
         server.stop()
+
+
+def post_cut_short(port: int, path: str, declared: int, sent: bytes) -> tuple[int, bytes]:
+    """POST with ``Content-Length: declared`` and only ``sent`` of it, then end the
+    sending side: a client gone half-way through its body."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Idempotency-Key: {KEY}\r\nContent-Length: {declared}\r\nConnection: close\r\n\r\n"
+    ).encode("latin-1")
+    try:
+        sock.sendall(head + sent)
+        sock.shutdown(socket.SHUT_WR)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, response.read()
+    finally:
+        sock.close()
+
+
+def test_c31_a_content_length_body_that_ends_early_is_400_never_stored(
+    make_app: Any, serve: Any
+) -> None:
+    """A JSON body read straight from the server's stream (issue 36: a ``Content-Length``
+    body is read without Werkzeug's stream layers): one that ends before its
+    ``Content-Length`` is the client gone, 400 as Werkzeug answers it, never fingerprinted
+    as the part that came nor run; the whole body then runs once and replays."""
+    app, seen = orders_app(make_app)
+    server = serve(app)
+    body = json.dumps({"items": ["x"] * 3, "amount": 5}).encode()
+    status, _ = post_cut_short(server.port, "/orders", len(body), body[:-9])
+    assert status == 400 and seen == []
+    assert states(app) == []
+    headers = {"Idempotency-Key": KEY}
+    first = server.post("/orders", body, "application/json", chunked=False, headers=headers)
+    again = server.post("/orders", body, "application/json", chunked=False, headers=headers)
+    assert (first[0], again[0], again[1].get("Idempotent-Replayed")) == (201, 201, "true")
+    assert seen == [{"items": ["x"] * 3, "amount": 5}]
+
+
+def test_c31_the_apps_max_content_length_still_refuses_a_longer_body_unread(
+    make_app: Any, serve: Any
+) -> None:
+    """``MAX_CONTENT_LENGTH`` below the layer's cap: a ``Content-Length`` over it is 413
+    before a byte is read, as Werkzeug's stream refuses it, also where the layer reads
+    the body itself."""
+    app, seen = orders_app(make_app, MAX_CONTENT_LENGTH=100)
+    server = serve(app)
+    body = json.dumps({"items": ["x" * 50] * 3, "amount": 5}).encode()
+    status, _, data = server.post(
+        "/orders", body, "application/json", chunked=False, headers={"Idempotency-Key": KEY}
+    )
+    assert (status, seen, server.last_read) == (413, [], 0), data
+    assert json.loads(data)["code"] == "request-too-large"
+
+
+def test_c31_a_view_that_reads_the_stream_after_the_layer_finds_it_spent(
+    make_app: Any, serve: Any
+) -> None:
+    """After the layer read a ``Content-Length`` body, ``request.stream`` is spent, as after
+    Flask's own ``get_data()``: the view reads ``b""`` at once (it never waits on the
+    socket for bytes the client will not send), and ``get_data()`` has the body."""
+    app, _ = make_app({"SECRET_KEY": "s3"})
+
+    @app.post("/raw")
+    @idempotent
+    def raw() -> Any:
+        return jsonify(stream=request.stream.read().decode(), data=request.get_data().decode())
+
+    server = serve(app)
+    status, _, data = server.post(
+        "/raw", b'{"a": 1}', "application/json", chunked=False, headers={"Idempotency-Key": KEY}
+    )
+    assert status == 200 and json.loads(data) == {"stream": "", "data": '{"a": 1}'}
