@@ -41,6 +41,7 @@ from flask import current_app
 from . import signals
 from .completion import deferred, heartbeat, inherit, spool
 from .completion import unit as atomic
+from .completion.ownership import Teller
 from .decision import InProgress, KeyReused, Outcome, Own, Replay, Unavailable, decide
 from .fingerprint import _digest, key_digest
 from .notify import wait_for_owner
@@ -88,8 +89,13 @@ class JobLeaseLost(OnceError):
     writes were rolled back (C14). The new owner's result stands."""
 
 
-class Run:
-    """One pass through ``once``: either the owner (``owned``) or a duplicate with ``result``."""
+class Run(Teller):
+    """One pass through ``once``: either the owner (``owned``) or a duplicate with ``result``.
+
+    It tells its signals and lease lines as a request's owner does (:class:`Teller`), its
+    route named ``once:<name>``."""
+
+    ident: Identity
 
     def __init__(self, ident: Identity) -> None:
         self.ident = ident
@@ -108,10 +114,10 @@ class Run:
         self._unit: atomic.Unit | None = None
         #: The lease heartbeat's entry while the owner works (C44).
         self._lease: heartbeat.Lease | None = None
-        self._started = time.perf_counter()
+        self.started = time.perf_counter()
         self._lease_seconds = 0.0
         #: The app the work runs in: deferred settlements report from another thread.
-        self._app: Any = None
+        self.app: Any = None
 
     @property
     def key_digest(self) -> str:
@@ -131,33 +137,18 @@ class Run:
         return self._claim
 
     @property
-    def started(self) -> float:
-        return self._started
+    def route(self) -> str:
+        """The job as the signals and the spool name it: ``once:<name>``."""
+        return "once:" + self.ident.path
 
     @property
     def lease_seconds(self) -> float:
         return self._lease_seconds
 
-    def emit(self, signal: Any, **extra: Any) -> None:
-        _send(signal, self, **extra)
-
-    def lease_lost(self, action: str) -> None:
-        _lease_lost(self, action)
-
     def report_lease(self, reason: str) -> None:
-        log.warning(
-            "idempotency: the lease on %s could not be renewed (%s)", self.ident.path, reason
-        )
-        if signals.lease_renewal_failed.receivers:
-            signals.send(
-                signals.lease_renewal_failed,
-                self._app,
-                key_digest=self.ident.key_digest,
-                scope=self.ident.scope,
-                route="once:" + self.ident.path,
-                duration=time.perf_counter() - self._started,
-                reason=reason,
-            )
+        """As a request's owner reports it, the log line naming the job, not its digest."""
+        log.warning("idempotency: the lease on %s could not be renewed (%s)", self.route, reason)
+        self.emit(signals.lease_renewal_failed, reason=reason)
 
 
 class Once:
@@ -276,8 +267,8 @@ class Once:
         run._state = state
         run._atomic = self._atomic
         run._lease_seconds = lease
-        run._app = current_app._get_current_object()  # type: ignore[attr-defined]
-        inherit.pick_up(state, run._app)  # C59: what an ended process handed on, first
+        run.app = current_app._get_current_object()  # type: ignore[attr-defined]
+        inherit.pick_up(state, run.app)  # C59: what an ended process handed on, first
         verdict = decide(
             lambda: state.look_up(ident, ttl=ttl, lease=lease, guard_locks=run._atomic),
             ident.fingerprint,
@@ -285,7 +276,7 @@ class Once:
         )
         if type(verdict) is Unavailable:
             exc = verdict.error
-            _send(signals.store_error, run, tier="database", error=str(exc), action="claim")
+            run.emit(signals.store_error, tier="database", error=str(exc), action="claim")
             raise exc
         if type(verdict) is Own:
             claim = verdict.claim
@@ -294,14 +285,14 @@ class Once:
             if claim.how == "replaced":
                 state.cache.discard(ident.key_digest)
             elif claim.how == "taken_over":
-                _send(signals.lease_taken_over, run)
-            _send(signals.request_executed, run, how=claim.how)
+                run.emit(signals.lease_taken_over)
+            run.emit(signals.request_executed, how=claim.how)
             _start_heartbeat(state, run, lease)
             if self._atomic:
                 self._begin_unit(run)
             return run
         if type(verdict) is KeyReused:
-            _send(signals.key_mismatch, run)
+            run.emit(signals.key_mismatch)
             raise JobKeyReused(
                 f"once(): key {ident.key_digest[:16]}… was already used for other work"
                 " (another job name or payload). Use a new key for new work."
@@ -309,10 +300,10 @@ class Once:
         if type(verdict) is Replay:
             run.source = verdict.source
             run.result, run.result_omitted = _decode(verdict.completed.response)
-            _send(signals.request_replayed, run, source=run.source, status=200)
+            run.emit(signals.request_replayed, source=run.source, status=200)
             return run
         assert type(verdict) is InProgress
-        _send(signals.request_conflict, run)
+        run.emit(signals.request_conflict)
         raise JobInProgress(
             "once(): another consumer is running this key; retry later.",
             retry_after=max(0.1, verdict.record.lease_remaining),
@@ -343,11 +334,11 @@ class Once:
                 self._release(run, "commit-failed")
                 raise StoreError(str(exc)) from exc
             except StoreError as exc:
-                _send(signals.store_error, run, tier="database", error=str(exc), action="commit")
+                run.emit(signals.store_error, tier="database", error=str(exc), action="commit")
                 self._release(run, "commit-failed")
                 raise
             if expires_at_ms is None:
-                _lease_lost(run, "complete")
+                run.lease_lost("complete")
                 raise JobLeaseLost(
                     "once(): another consumer took this key over while the work ran;"
                     " its writes were rolled back."
@@ -364,8 +355,8 @@ class Once:
                     # Refused for good (C58): stored without its result as C33 stores a
                     # large one, or the key given back where even that is refused (below);
                     # once, never kept.
-                    _send(
-                        signals.store_error, run, tier="database", error=str(exc), action="complete"
+                    run.emit(
+                        signals.store_error, tier="database", error=str(exc), action="complete"
                     )
                     log.error(
                         "idempotency: once(): the database refused the completion of %s (%s);"
@@ -376,7 +367,7 @@ class Once:
                     stored, omitted = stored.without_body(), True
                     expires_at_ms = state.store.complete(claim, stored)
             except StoreRefused as exc:
-                _send(signals.store_error, run, tier="database", error=str(exc), action="complete")
+                run.emit(signals.store_error, tier="database", error=str(exc), action="complete")
                 log.error(
                     "idempotency: once(): the database refused the completion of %s even"
                     " without its result (%s); the key is released",
@@ -401,7 +392,7 @@ class Once:
                     raise
                 return
             if expires_at_ms is None:
-                _lease_lost(run, "complete")
+                run.lease_lost("complete")
                 return
         _completion_landed(run, stored, omitted, expires_at_ms)
 
@@ -419,7 +410,7 @@ class Once:
         except atomic.LeaseLost:
             _stop_heartbeat(run)
             run.owned = False
-            _lease_lost(run, "begin")
+            run.lease_lost("begin")
             raise JobLeaseLost("once(): the key was taken over before the work began.") from None
         except (atomic.Retryable, StoreError) as exc:
             self._release(run, "begin-failed")
@@ -453,16 +444,15 @@ class Once:
 
 def _handover(run: Run, action: str, **what: Any) -> spool.Handover:
     """What another process needs to land this settlement once this one ended (C59)."""
-    route = "once:" + run.ident.path
-    return spool.Handover(action, run.claim, run.ident, run.lease_seconds, route, **what)
+    return spool.Handover(action, run.claim, run.ident, run.lease_seconds, run.route, **what)
 
 
 def _released(run: Run, released: bool, reason: str) -> None:
     if not released:
-        _lease_lost(run, "release")
+        run.lease_lost("release")
         return
     run.state.wakeups.announce(run.key_digest, "released")
-    _send(signals.claim_released, run, reason=reason, status=None)
+    run.emit(signals.claim_released, reason=reason, status=None)
 
 
 def _completion_landed(
@@ -470,13 +460,13 @@ def _completion_landed(
 ) -> None:
     """After the durable commit (now or deferred): promote, wake, tell (C23)."""
     if expires_at_ms is None:
-        _lease_lost(run, "complete")
+        run.lease_lost("complete")
         return
     completed = Completed(run.ident.fingerprint, expires_at_ms, stored)
     run.state.announce_completed(run.key_digest, completed)  # C23: after the commit
     if omitted:
         run.state.stored_without_body("once:" + run.ident.path)
-    _send(signals.response_stored, run, status=200, body_omitted=omitted)
+    run.emit(signals.response_stored, status=200, body_omitted=omitted)
 
 
 def _start_heartbeat(state: AppState, run: Run, lease: float) -> None:
@@ -519,9 +509,8 @@ def _wait_for_owner(
     outcome = wait_for_owner(
         state.wakeups, run.key_digest, current, wait=wait, recheck=recheck, in_flight=going
     )
-    _send(
+    run.emit(
         signals.request_waited,
-        run,
         waited=time.perf_counter() - parked_at,
         outcome=type(outcome).__name__.lower(),
     )
@@ -532,26 +521,3 @@ def _decode(response: StoredResponse) -> tuple[Any, bool]:
     if response.body_omitted:
         return None, True
     return json.loads(response.body) if response.body else None, False
-
-
-def _lease_lost(run: Run, action: str) -> None:
-    log.warning(
-        "idempotency: lease on %s was taken over before %s; the new owner's record stands",
-        run.key_digest[:16],
-        action,
-    )
-    _send(signals.lease_lost, run, action=action)
-
-
-def _send(signal: Any, run: Run, **extra: Any) -> None:
-    """The request path's signals, with ``route`` naming the job (``once:<name>``)."""
-    if signal.receivers:
-        signals.send(
-            signal,
-            run._app,
-            key_digest=run.ident.key_digest,
-            scope=run.ident.scope,
-            route="once:" + run.ident.path,
-            duration=time.perf_counter() - run._started,
-            **extra,
-        )
