@@ -124,6 +124,51 @@ def test_c58_a_kept_completion_is_fenced_by_another_owners_record(store: Any) ->
 # -- end to end: a completion that commits after its deadline (PostgreSQL) -------------
 
 
+def _settled_late(
+    cell: Cell, proxy: Any, status: int, signal: Any
+) -> tuple[Any, list[int], list[str], list[Any], list[Any]]:
+    """The view answers ``status`` with its claim in; its settlement (a completion, or a
+    release for a 503) waits on a table lock; the network goes silent (not even the
+    cancel arrives), so the client gets its answer and the settlement is kept. The lock
+    goes and the queued settlement commits on the server (psycopg2); the network comes
+    back and the kept try settles. Returns the app, the view's runs, the outcomes of
+    ``settlement_deferred``, and what ``lease_lost`` and ``signal`` sent."""
+    app = cell.make({"IDEMPOTENCY_WAIT": 0.3, "IDEMPOTENCY_LEASE": 20})
+    store = app.extensions["idempotency"].store
+    calls: list[int] = []
+    lock = TableLock(cell, store.table.name)
+
+    @app.post("/pay")
+    @idempotent
+    def pay() -> Any:
+        calls.append(1)
+        lock.start()  # the claim is in; the settlement will wait on the lock
+        assert lock.locked.wait(10) and lock.error is None, lock.error
+        return jsonify(n=len(calls)), status
+
+    deferrals = record_signal(app, signals.settlement_deferred)
+    lost = record_signal(app, signals.lease_lost)
+    seen = record_signal(app, signal)
+    answers: list[Any] = []
+    request = threading.Thread(
+        target=lambda: answers.append(app.test_client().post("/pay", json={"a": 1}, headers=KEY))
+    )
+    request.start()
+    wait_until(lambda: _waiting_on(cell.direct, store.table.name), "the settlement queued")
+    proxy.stall()  # the settlement and its cancel get no reply
+    request.join(30)
+    assert answers and answers[0].status_code == status, answers
+    lock.release.set()  # the queued settlement commits now
+    lock.join(10)
+    proxy.restore()
+    wait_until(
+        lambda: any(d["outcome"] in ("landed", "fenced") for d in deferrals),
+        "the kept settlement settled",
+        within=20,
+    )
+    return app, calls, [d["outcome"] for d in deferrals], lost, seen
+
+
 @pytest.mark.postgres
 def test_c58_a_completion_committed_after_its_deadline_is_landed_not_lease_lost(
     proxied_cell: tuple[Cell, Any],  # noqa: F811
@@ -134,41 +179,7 @@ def test_c58_a_completion_committed_after_its_deadline_is_landed_not_lease_lost(
     comes back and the kept try finds the record completed under its own token:
     ``settlement_deferred`` says ``landed``, no ``lease_lost``, the answer is stored
     and replayed, the view ran once."""
-    cell, proxy = proxied_cell
-    app = cell.make({"IDEMPOTENCY_WAIT": 0.3, "IDEMPOTENCY_LEASE": 20})
-    store = app.extensions["idempotency"].store
-    calls: list[int] = []
-    lock = TableLock(cell, store.table.name)
-
-    @app.post("/pay")
-    @idempotent
-    def pay() -> Any:
-        calls.append(1)
-        lock.start()  # the claim is in; the completion will wait on the lock
-        assert lock.locked.wait(10) and lock.error is None, lock.error
-        return jsonify(n=len(calls)), 201
-
-    deferrals = record_signal(app, signals.settlement_deferred)
-    lost = record_signal(app, signals.lease_lost)
-    stored = record_signal(app, signals.response_stored)
-    answers: list[Any] = []
-    request = threading.Thread(
-        target=lambda: answers.append(app.test_client().post("/pay", json={"a": 1}, headers=KEY))
-    )
-    request.start()
-    wait_until(lambda: _waiting_on(cell.direct, store.table.name), "the completion queued")
-    proxy.stall()  # the completion and its cancel get no reply
-    request.join(30)
-    assert answers and answers[0].status_code == 201, answers
-    lock.release.set()  # the queued completion commits now (psycopg2; see below)
-    lock.join(10)
-    proxy.restore()
-    wait_until(
-        lambda: any(d["outcome"] in ("landed", "fenced") for d in deferrals),
-        "the kept completion settled",
-        within=20,
-    )
-    outcomes = [d["outcome"] for d in deferrals]
+    app, calls, outcomes, lost, stored = _settled_late(*proxied_cell, 201, signals.response_stored)
     assert "landed" in outcomes and "fenced" not in outcomes, outcomes
     assert lost == [], lost
     assert [s["status"] for s in stored] == [201]
@@ -186,41 +197,7 @@ def test_c58_a_release_committed_after_its_deadline_is_released_not_lease_lost(
     table lock, the network goes silent, the release is kept, and commits on the server
     once the lock goes. The kept try finds the record gone: ``landed``,
     ``claim_released`` (with the "released" wake-up), no ``lease_lost``."""
-    cell, proxy = proxied_cell
-    app = cell.make({"IDEMPOTENCY_WAIT": 0.3, "IDEMPOTENCY_LEASE": 20})
-    store = app.extensions["idempotency"].store
-    calls: list[int] = []
-    lock = TableLock(cell, store.table.name)
-
-    @app.post("/pay")
-    @idempotent
-    def pay() -> Any:
-        calls.append(1)
-        lock.start()  # the claim is in; the release will wait on the lock
-        assert lock.locked.wait(10) and lock.error is None, lock.error
-        return jsonify(busy=True), 503
-
-    deferrals = record_signal(app, signals.settlement_deferred)
-    lost = record_signal(app, signals.lease_lost)
-    released = record_signal(app, signals.claim_released)
-    answers: list[Any] = []
-    request = threading.Thread(
-        target=lambda: answers.append(app.test_client().post("/pay", json={"a": 1}, headers=KEY))
-    )
-    request.start()
-    wait_until(lambda: _waiting_on(cell.direct, store.table.name), "the release queued")
-    proxy.stall()
-    request.join(30)
-    assert answers and answers[0].status_code == 503, answers
-    lock.release.set()  # the queued release commits now (psycopg2)
-    lock.join(10)
-    proxy.restore()
-    wait_until(
-        lambda: any(d["outcome"] in ("landed", "fenced") for d in deferrals),
-        "the kept release settled",
-        within=20,
-    )
-    outcomes = [d["outcome"] for d in deferrals]
+    app, calls, outcomes, lost, released = _settled_late(*proxied_cell, 503, signals.claim_released)
     assert "landed" in outcomes and "fenced" not in outcomes, outcomes
     assert lost == [], lost
     assert [r["reason"] for r in released] == ["server-error"]
