@@ -31,7 +31,8 @@ from werkzeug.wsgi import LimitedStream, get_content_length
 
 from .problems import RequestTooLarge
 
-#: Set in the environ once :func:`limit` has run for the request.
+#: Set in the environ once :func:`limit` has run for the request: ``(Content-Length,)``
+#: as it read it (``None`` without one), so that :func:`read` need not parse it again.
 _LIMITED = "flask_idempotency.body_limited"
 _CHUNK = 64 * 1024
 #: Bodies up to this size are kept in memory for the view; larger ones in a temporary file.
@@ -112,12 +113,12 @@ def limit(req: Any, cap: int) -> None:
     body builds it without reading it).
     """
     environ = req.environ
-    if environ.get(_LIMITED):
+    if _LIMITED in environ:
         return
-    environ[_LIMITED] = True
     # Werkzeug's reading of the environ itself, as ``req.content_length`` gives it, without
     # building the request's header view only for it (a replay never uses that view).
     length = get_content_length(environ)
+    environ[_LIMITED] = (length,)
     if "wsgi.input_terminated" not in environ:
         # Werkzeug reads up to Content-Length (refusing one over MAX_CONTENT_LENGTH
         # itself), or nothing without one: only the layer's own cap to judge.
@@ -187,7 +188,8 @@ def read(
         return None
     environ = req.environ
     if "stream" not in d and "wsgi.input_terminated" not in environ:
-        length = get_content_length(environ)
+        limited = environ.get(_LIMITED)
+        length = limited[0] if limited is not None else get_content_length(environ)
         if length is not None and length <= whole_up_to:
             return _read_declared(req, environ, length)
     stream = req.stream
