@@ -190,6 +190,12 @@ class ChaosRig:
             rows = conn.execute(select(t.c.idem_key, func.count()).group_by(t.c.idem_key)).all()
         return collections.Counter({key: int(count) for key, count in rows})
 
+    def claiming_pids(self) -> set[int]:
+        """The worker processes that have claimed a key (each has read the store's identity)."""
+        with self.ledger.connect() as conn:
+            pids = conn.execute(select(self.claims.c.pid).distinct()).scalars()
+            return {int(pid) for pid in pids}
+
     def total_runs(self) -> int:
         with self.ledger.connect() as conn:
             return int(conn.execute(select(func.count()).select_from(self.runs)).scalar_one())

@@ -443,6 +443,16 @@ def test_database_cut_gives_503_for_new_keys_while_redis_keeps_replaying(
     before = [f"before-{i}" for i in range(30)]
     with ThreadPoolExecutor(max_workers=6) as pool:
         first = list(pool.map(lambda k: log.add(send(server.url, k, body_for(k))), before))
+        # Every worker must have read the store's identity before the cut, or it cannot
+        # name a key in Redis while the database is away (C41, C60) and answers a replay
+        # with 503: more early keys until each worker has claimed one (on a loaded CI
+        # machine one worker's accept loop can miss all thirty).
+        workers = set(server.worker_pids())
+        while not workers <= rig.claiming_pids() and len(before) < 300:
+            more = [f"before-{i}" for i in range(len(before), len(before) + 12)]
+            first += pool.map(lambda k: log.add(send(server.url, k, body_for(k))), more)
+            before += more
+    assert workers <= rig.claiming_pids(), f"workers {workers} never claimed a key"
     assert all(a.original for a in first), first
     wait_until(
         lambda: all(rig.inspector.exists(tier.record_name(digest(k))) for k in before),
