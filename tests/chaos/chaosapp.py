@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any
 
-from flask import Flask, g, jsonify, request
+from flask import Flask, g, has_app_context, jsonify, request
 from sqlalchemy import (
     Column,
     DateTime,
@@ -78,11 +78,15 @@ def create_app() -> Flask:
     Idempotency(app)
     ledger = create_store_engine(os.environ["LEDGER_URL"], pool_size=3, max_overflow=12)
     claims, runs = ledger_tables(MetaData(), records_table)
-    _record_settlements(app, ledger, runs)
+    #: The latest run of each record (by key digest, as every signal names it), for the
+    #: signals a settlement sends from the heartbeat's thread, where there is no ``g``.
+    run_of_digest: dict[str, int] = {}
+    _record_settlements(app, ledger, runs, run_of_digest)
 
     @signals.request_executed.connect_via(app)
     def claimed(sender: Any, **extra: Any) -> None:
         g.chaos_claim_how = extra["how"]
+        g.chaos_key_digest = extra["key_digest"]
         with ledger.begin() as conn:
             conn.execute(
                 insert(claims).values(idem_key=_raw_key(), pid=os.getpid(), how=extra["how"])
@@ -102,6 +106,7 @@ def create_app() -> Flask:
                 .values(idem_key=_raw_key(), pid=os.getpid(), claim_how=g.get("chaos_claim_how"))
                 .returning(runs.c.id)
             ).scalar_one()
+        run_of_digest[g.chaos_key_digest] = g.chaos_run_id
         # X-Sleep is not part of the fingerprint: a retry need not sleep again.
         time.sleep(float(request.headers.get("X-Sleep", body.get("sleep", 0))))
         return jsonify(name=name, pid=os.getpid(), run=g.chaos_run_id, body=body), 201
@@ -113,11 +118,21 @@ def _raw_key() -> str:
     return request.headers.get("Idempotency-Key", "")
 
 
-def _record_settlements(app: Flask, ledger: Engine, runs: Table) -> None:
-    """Write how each run ended into its ledger row, so a test can explain a second run."""
+def _record_settlements(
+    app: Flask, ledger: Engine, runs: Table, run_of_digest: dict[str, int]
+) -> None:
+    """Write how each run ended into its ledger row, so a test can explain a second run.
 
-    def settle(outcome: str) -> None:
-        run_id = g.get("chaos_run_id")
+    On the request's thread the run is the request's own (``g``); a settlement kept
+    through an outage lands later on the heartbeat's thread, outside any app context,
+    and names its record's latest run by the key digest its signal carries.
+    """
+
+    def settle(outcome: str, extra: dict[str, Any]) -> None:
+        if has_app_context():
+            run_id = g.get("chaos_run_id")
+        else:
+            run_id = run_of_digest.get(extra["key_digest"])
         if run_id is None:
             return
         with ledger.begin() as conn:
@@ -125,17 +140,17 @@ def _record_settlements(app: Flask, ledger: Engine, runs: Table) -> None:
 
     @signals.response_stored.connect_via(app)
     def stored(sender: Any, **extra: Any) -> None:
-        settle("stored")
+        settle("stored", extra)
 
     @signals.claim_released.connect_via(app)
     def released(sender: Any, **extra: Any) -> None:
-        settle(f"released:{extra['reason']}")
+        settle(f"released:{extra['reason']}", extra)
 
     @signals.lease_lost.connect_via(app)
     def lost(sender: Any, **extra: Any) -> None:
-        settle(f"lease-lost:{extra['action']}")
+        settle(f"lease-lost:{extra['action']}", extra)
 
     @signals.store_error.connect_via(app)
     def store_failed(sender: Any, **extra: Any) -> None:
         if extra.get("tier") == "database" and extra.get("action") in ("complete", "release"):
-            settle(f"store-error:{extra['action']}")
+            settle(f"store-error:{extra['action']}", extra)
