@@ -98,16 +98,21 @@ def test_i25_1_c55_a_completion_refused_by_the_store_lands_when_it_answers_again
     @idempotent
     def pay():
         calls.append(1)
-        cut_store.outage(1.5)  # the primary goes away after the view ran
+        cut_store.proxy.cut()  # the primary goes away after the view ran, until restored
         return jsonify(n=len(calls)), 201
 
     client = app.test_client()
     began = time.monotonic()
     first = client.post("/pay", json={"a": 1}, headers=KEY)
+    answered_in = time.monotonic() - began
+    # Answered while the store is still away (it stays away until restored below), and
+    # without waiting out a connect timeout (3 s) on the way: a loaded CI host once took
+    # 1.3 s for the whole request, so this bounds the wait, not the speed.
     assert first.status_code == 201 and first.get_json() == {"n": 1}
-    assert time.monotonic() - began < 1.0, "the client waited for the store"
+    assert answered_in < 2.5, f"the client waited {answered_in:.2f} s for the store"
     assert [d["outcome"] for d in deferrals] == ["deferred"]
     assert cut_store.states() == ["in_progress"]  # the claim is still held, not dropped
+    cut_store.proxy.restore()
     wait_until(lambda: cut_store.states() == [COMPLETED], "the deferred completion", within=10)
     wait_until(lambda: deferred.pending() == 0, "no settlement left", within=5)
     assert [d["outcome"] for d in deferrals] == ["deferred", "landed"]
