@@ -124,14 +124,13 @@ def _record_settlements(
     """Write how each run ended into its ledger row, so a test can explain a second run.
 
     On the request's thread the run is the request's own (``g``); a settlement kept
-    through an outage lands later on the heartbeat's thread, outside any app context,
+    through an outage lands later on the heartbeat's thread, with no request's ``g``,
     and names its record's latest run by the key digest its signal carries.
     """
 
     def settle(outcome: str, extra: dict[str, Any]) -> None:
-        if has_app_context():
-            run_id = g.get("chaos_run_id")
-        else:
+        run_id = g.get("chaos_run_id") if has_app_context() else None
+        if run_id is None:
             run_id = run_of_digest.get(extra["key_digest"])
         if run_id is None:
             return
