@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import update
@@ -135,3 +136,51 @@ def test_c44_a_new_lease_wakes_the_renewer_only_if_due_before_its_next_round(
     finally:
         for lease in [*leases, urgent]:
             renewer.remove(lease)
+
+
+def slow_renewals(store: DurableStore, delay: float, sent: list[float]) -> None:
+    """Make ``store`` answer each renewal ``delay`` late, noting when each was sent."""
+    renew = store.renew
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        sent.append(time.monotonic())
+        time.sleep(delay)
+        return renew(*args, **kwargs)
+
+    store.renew = slow  # type: ignore[method-assign]
+
+
+def test_c44_the_next_renewal_counts_from_when_the_last_was_sent(store: DurableStore) -> None:
+    """A renewal extends the lease from about when it was sent (the database's now), so
+    the next is due a third of a lease after that, however long the answer took: timed
+    from the answer, a store answering ``d`` late spaced the extensions a third of a
+    lease plus ``d`` apart, and two slow answers in a row could lapse a live owner's
+    lease."""
+    _, won = claim(store, 3.0)
+    sent: list[float] = []
+    slow_renewals(store, 0.4, sent)
+    renewer = heartbeat.Renewer()
+    lease = heartbeat.Lease(store, won, 3.0, 60, lambda reason: None)
+    renewer._renew([lease])
+    [sent_at] = sent  # (the renewer notes its own just before: no later than this)
+    assert sent_at + 2.9 <= lease.confirmed_until <= sent_at + 3.0
+    assert sent_at + 0.9 <= lease.next_due <= sent_at + 1.0  # not 1.4 after it
+
+
+def test_c44_a_store_slower_than_a_third_of_a_lease_is_not_asked_back_to_back(
+    store: DurableStore,
+) -> None:
+    """C44: when a renewal's answer takes longer than a third of the lease, the next one
+    comes a retry step (a tenth of a lease) after the answer, not at once."""
+    _, won = claim(store, 1.2)
+    sent: list[float] = []
+    slow_renewals(store, 0.6, sent)
+    renewer = heartbeat.Renewer()
+    lease = heartbeat.Lease(store, won, 1.2, 60, lambda reason: None)
+    renewer._renew([lease])
+    answered = time.monotonic()
+    [sent_at] = sent
+    assert sent_at + 1.1 <= lease.confirmed_until <= sent_at + 1.2
+    # A retry step (0.12 s) after the answer, which came at least 0.6 s after the
+    # sending: not a third of a lease after the sending, already past (0.4 s).
+    assert sent_at + 0.6 + 0.12 <= lease.next_due <= answered + 0.12

@@ -416,7 +416,7 @@ class Renewer:
             now = time.monotonic()
             for lease, ok in outcomes.items():
                 if ok:
-                    lease.next_due = now + lease.lease / 3
+                    lease.next_due = _next_renewal(lease, now)
                     continue
                 if ok is False and not lease.done:
                     lease.lost = TAKEN_OVER
@@ -435,7 +435,7 @@ class Renewer:
                 # our token, maybe because an earlier try of ours landed; the fenced
                 # attempt tells which. No answer: try again once the store answers,
                 # unless its time is up (the attempt then gives it up).
-                lease.next_due = now + (lease.lease / 3 if ok else _retry_step(lease))
+                lease.next_due = _next_renewal(lease, now) if ok else now + _retry_step(lease)
                 if (ok is not None or now >= settlement.deadline) and not lease.queued:
                     lease.queued = True
                     self._to_settle.append(lease)
@@ -562,6 +562,18 @@ class Renewer:
         engines, self._engines = self._engines, {}
         for _, own in engines.values():
             own.dispose()
+
+
+def _next_renewal(lease: Lease, now: float) -> float:
+    """When to renew a lease just renewed: a third of a lease after the renewal was sent.
+
+    Counted from the sending, as :attr:`Lease.confirmed_until` is, not from the answer:
+    a store that takes ``d`` to answer would otherwise space the extensions a third of a
+    lease plus ``d`` apart, and a slow answer followed by a late one could lapse a lease
+    of a live owner. Never sooner than a retry step from now: a store slower than a third
+    of a lease is asked again at that pace, not back to back.
+    """
+    return max(lease.confirmed_until - lease.lease * 2 / 3, now + _retry_step(lease))
 
 
 def _retry_step(lease: Lease) -> float:
