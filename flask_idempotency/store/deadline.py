@@ -48,6 +48,7 @@ about once per deadline while statements run, and sleeps while none does.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import math
 import os
@@ -208,7 +209,7 @@ def _libpq_cancel(connection: Any, pgconn: int) -> Callable[[], None]:
     through ctypes, which releases the GIL: ``PQgetCancel`` copies what the cancel
     needs (no I/O; the connection may be closed afterwards), ``PQcancel`` sends it.
     """
-    lib = _psycopg2_libpq(connection)
+    lib = _psycopg2_libpq()
     if lib is None:
         return lambda: None
     handle = lib.PQgetCancel(ctypes.c_void_p(pgconn))
@@ -229,12 +230,20 @@ def _libpq_cancel(connection: Any, pgconn: int) -> Callable[[], None]:
 _libpq: list[Any] = []
 
 
-def _psycopg2_libpq(connection: Any) -> Any:
-    """The libpq psycopg2 is linked against (its extension module's symbols resolve to
-    it), with the three functions' signatures; ``None`` when it cannot be loaded."""
+def _psycopg2_libpq() -> Any:
+    """The libpq psycopg2 is linked against (its C extension's symbols resolve to it),
+    with the three functions' signatures; ``None`` when it cannot be loaded.
+
+    The C extension is ``psycopg2._psycopg``: the connection's type names
+    ``psycopg2.extensions`` as its module, a Python file that cannot be loaded as a
+    library (every psycopg2 cancel was silently not sent, and a late statement only
+    had its socket shut down, still running on the server).
+    """
     if not _libpq:
         try:
-            module = sys.modules[type(connection).__module__]
+            module = sys.modules.get("psycopg2._psycopg") or importlib.import_module(
+                "psycopg2._psycopg"
+            )
             lib = ctypes.CDLL(module.__file__)
             lib.PQgetCancel.argtypes = [ctypes.c_void_p]
             lib.PQgetCancel.restype = ctypes.c_void_p
@@ -243,7 +252,12 @@ def _psycopg2_libpq(connection: Any) -> Any:
             lib.PQfreeCancel.argtypes = [ctypes.c_void_p]
             lib.PQfreeCancel.restype = None
         except Exception as exc:  # then only the socket's shutdown is left
-            log.debug("idempotency: libpq's cancel is not reachable: %s", exc)
+            log.warning(
+                "idempotency: psycopg2's libpq cannot be reached to cancel a statement"
+                " past its deadline (%s); such a statement has its socket shut down"
+                " instead and may still run on the server",
+                exc,
+            )
             lib = None
         _libpq.append(lib)
     return _libpq[0]

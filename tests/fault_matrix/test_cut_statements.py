@@ -17,6 +17,7 @@ drivers through a private PgBouncer in transaction mode.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -170,12 +171,16 @@ def test_c58_c11_a_claim_cut_by_the_deadline_never_blocks_its_key(cell: Cell) ->
     assert lock.locked.wait(10) and lock.error is None, lock.error
     first = client.post("/pay", json={"a": 1}, headers=KEY)
     answered_while_locked = not lock.released.is_set()
+    # Cancelled on the server, not only given up by the client: while the lock is still
+    # held, nothing of the store queues for it any longer (PostgreSQL's pg_locks).
+    still_queued = not cell.mariadb and _queued_for(cell.direct, store.table.name, within=2.0)
     lock.release.set()
     lock.join(10)
     assert lock.error is None, lock.error
     assert answered_while_locked, (
         f"the request waited for the lock ({first.status_code}) past its {DEADLINE} s deadline"
     )
+    assert not still_queued, "the cut claim still waited on the server: no cancel reached it"
     assert first.status_code == 503, first.get_data(as_text=True)
     assert first.headers.get("Retry-After")
     assert calls == []
@@ -221,6 +226,16 @@ def _waiting_on(direct: URL, table: str) -> bool:
             return bool(conn.execute(text(sql), {"t": table}).scalar())
     finally:
         engine.dispose()
+
+
+def _queued_for(direct: URL, table: str, *, within: float) -> bool:
+    """Whether a statement still waits for a lock on ``table`` after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while _waiting_on(direct, table):
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_c58_a_claim_with_no_reply_that_commits_later_is_released_by_a_kept_release(
