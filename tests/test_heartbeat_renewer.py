@@ -138,8 +138,13 @@ def test_c44_a_new_lease_wakes_the_renewer_only_if_due_before_its_next_round(
             renewer.remove(lease)
 
 
-def slow_renewals(store: DurableStore, delay: float, sent: list[float]) -> None:
-    """Make ``store`` answer each renewal ``delay`` late, noting when each was sent."""
+def renew_slowly(
+    store: DurableStore, lease_seconds: float, delay: float
+) -> tuple[Any, float, float]:
+    """Renew a fresh claim's lease once, the store answering ``delay`` late: the lease,
+    when the renewal reached the store, and when the renewer was done with it."""
+    _, won = claim(store, lease_seconds)
+    sent: list[float] = []
     renew = store.renew
 
     def slow(*args: Any, **kwargs: Any) -> Any:
@@ -148,6 +153,11 @@ def slow_renewals(store: DurableStore, delay: float, sent: list[float]) -> None:
         return renew(*args, **kwargs)
 
     store.renew = slow  # type: ignore[method-assign]
+    lease = heartbeat.Lease(store, won, lease_seconds, 60, lambda reason: None)
+    heartbeat.Renewer()._renew([lease])
+    answered = time.monotonic()
+    [sent_at] = sent
+    return lease, sent_at, answered
 
 
 def test_c44_the_next_renewal_counts_from_when_the_last_was_sent(store: DurableStore) -> None:
@@ -156,15 +166,9 @@ def test_c44_the_next_renewal_counts_from_when_the_last_was_sent(store: DurableS
     from the answer, a store answering ``d`` late spaced the extensions a third of a
     lease plus ``d`` apart, and two slow answers in a row could lapse a live owner's
     lease."""
-    _, won = claim(store, 3.0)
-    sent: list[float] = []
-    slow_renewals(store, 0.4, sent)
-    renewer = heartbeat.Renewer()
-    lease = heartbeat.Lease(store, won, 3.0, 60, lambda reason: None)
-    renewer._renew([lease])
+    lease, sent_at, _ = renew_slowly(store, 3.0, 0.4)
     # The renewer notes its own sending just before (it first picks its engine): no
-    # later than this, and far less than the 0.4 s answer earlier.
-    [sent_at] = sent
+    # later than ``sent_at``, and far less than the 0.4 s answer earlier.
     assert sent_at + 2.6 <= lease.confirmed_until <= sent_at + 3.0
     assert sent_at + 0.6 <= lease.next_due <= sent_at + 1.0  # timed from the answer: >= 1.4
 
@@ -174,14 +178,7 @@ def test_c44_a_store_slower_than_a_third_of_a_lease_is_not_asked_back_to_back(
 ) -> None:
     """C44: when a renewal's answer takes longer than a third of the lease, the next one
     comes a retry step (a tenth of a lease) after the answer, not at once."""
-    _, won = claim(store, 1.2)
-    sent: list[float] = []
-    slow_renewals(store, 0.6, sent)
-    renewer = heartbeat.Renewer()
-    lease = heartbeat.Lease(store, won, 1.2, 60, lambda reason: None)
-    renewer._renew([lease])
-    answered = time.monotonic()
-    [sent_at] = sent
+    lease, sent_at, answered = renew_slowly(store, 1.2, 0.6)
     assert sent_at + 0.8 <= lease.confirmed_until <= sent_at + 1.2
     # A retry step (0.12 s) after the answer, which came at least 0.6 s after the
     # sending: not a third of a lease after the sending, already past (0.4 s).
