@@ -465,7 +465,7 @@ def _completion_landed(
     completed = Completed(run.ident.fingerprint, expires_at_ms, stored)
     run.state.announce_completed(run.key_digest, completed)  # C23: after the commit
     if omitted:
-        run.state.stored_without_body("once:" + run.ident.path)
+        run.state.stored_without_body(run.route)
     run.emit(signals.response_stored, status=200, body_omitted=omitted)
 
 

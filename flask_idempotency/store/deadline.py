@@ -53,7 +53,6 @@ import logging
 import math
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -241,9 +240,7 @@ def _psycopg2_libpq() -> Any:
     """
     if not _libpq:
         try:
-            module = sys.modules.get("psycopg2._psycopg") or importlib.import_module(
-                "psycopg2._psycopg"
-            )
+            module = importlib.import_module("psycopg2._psycopg")  # imported already
             lib = ctypes.CDLL(module.__file__)
             lib.PQgetCancel.argtypes = [ctypes.c_void_p]
             lib.PQgetCancel.restype = ctypes.c_void_p

@@ -17,7 +17,6 @@ drivers through a private PgBouncer in transaction mode.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -230,11 +229,10 @@ def _waiting_on(direct: URL, table: str) -> bool:
 
 def _queued_for(direct: URL, table: str, *, within: float) -> bool:
     """Whether a statement still waits for a lock on ``table`` after ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while _waiting_on(direct, table):
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.05)
+    try:
+        wait_until(lambda: not _waiting_on(direct, table), "no lock wait", within=within)
+    except AssertionError:
+        return True
     return False
 
 
