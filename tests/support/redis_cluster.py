@@ -268,7 +268,13 @@ class SentinelGroup:
         raise RuntimeError("the sentinel group did not settle")
 
     def failover(self) -> int:
-        """Force a failover; the new master's port once the sentinels agree on it."""
+        """Force a failover; the new master's port once the sentinels agree on it.
+
+        First until the group has settled (every sentinel knows the replica, and it is in
+        sync): right after the previous failover the old master may still be resyncing,
+        and a sentinel accepts the request (OK) only to abort it for want of a good replica.
+        """
+        self.wait_settled()
         before = self.master_port()
         out = self.sentinels[0].cli("SENTINEL", "FAILOVER", self.service)
         if "OK" not in out:
