@@ -243,6 +243,10 @@ class SentinelGroup:
         self.replica.start()
         for sentinel in self.sentinels:
             sentinel.start()
+            # Each sentinel reads a replica's INFO every second, not every 10 s: after a
+            # failover the group then settles (below) within a second of the old master's
+            # conversion instead of up to 10 s after it.
+            sentinel.cli("SENTINEL", "DEBUG", "info-period", "1000")
         self.wait_settled()
         return self
 
@@ -251,21 +255,38 @@ class SentinelGroup:
         return int(out.split()[1])
 
     def wait_settled(self, within: float = START_TIMEOUT) -> None:
-        """Until every sentinel knows the replica and the replica is in sync."""
+        """Until the replica is in sync with the master, and every sentinel knows both
+        the other sentinels and the replica, as a replica of that master.
+
+        The last part matters after a forced failover: the old master stays a master
+        until a sentinel converts it, and that sentinel then still holds the role it
+        last read (master) until its next ``INFO`` of the replica (a second here, 10 s by
+        default). A failover promoted inside that window is undone by it at once (its stale role is
+        older than the 8 s it waits before converting), and aborted, again and again
+        (``-failover-abort-slave-timeout``: CI's "the failover did not finish").
+        """
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
-            known = all(
-                "127.0.0.1" in s.cli("SENTINEL", "replicas", self.service)
-                and "num-other-sentinels\n2" in s.cli("SENTINEL", "master", self.service)
-                for s in self.sentinels
-            )
             port = self.master_port()
             replica = self.replica if port == self.master.port else self.master
             synced = "master_link_status:up" in replica.cli("INFO", "replication")
-            if known and synced:
+            if synced and all(self._sees_settled(s, replica.port, port) for s in self.sentinels):
                 return
             time.sleep(0.2)
         raise RuntimeError("the sentinel group did not settle")
+
+    def _sees_settled(self, sentinel: Node, replica: int, master: int) -> bool:
+        """Whether ``sentinel`` names ``master``, counts the two other sentinels, and last
+        read the replica's role as a replica of ``master``."""
+        if "num-other-sentinels\n2" not in sentinel.cli("SENTINEL", "master", self.service):
+            return False
+        lines = sentinel.cli("SENTINEL", "replicas", self.service).splitlines()
+        seen = dict(zip(lines[0::2], lines[1::2], strict=False))
+        return (
+            seen.get("port") == str(replica)
+            and seen.get("role-reported") == "slave"
+            and seen.get("master-port") == str(master)
+        )
 
     def failover(self) -> int:
         """Force a failover; the new master's port once the sentinels agree on it.
