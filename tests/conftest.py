@@ -51,23 +51,38 @@ def pg_database() -> Iterator[URL]:
     """A private PostgreSQL database for this test session (through the driver of
     ``IDEMPOTENCY_TEST_DATABASE_URL``); tests take it through ``pg_url``, unless they
     name the driver themselves."""
-    base = make_url(PG_BASE_URL)
+    with _session_database(
+        PG_BASE_URL,
+        "PostgreSQL",
+        create='CREATE DATABASE "{name}"',
+        drop='DROP DATABASE IF EXISTS "{name}" WITH (FORCE)',
+        isolation_level="AUTOCOMMIT",  # CREATE DATABASE runs outside a transaction
+    ) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _session_database(
+    base_url: str, service: str, *, create: str, drop: str, **engine_options: Any
+) -> Iterator[URL]:
+    """A database of its own on the server of ``base_url``, made by ``create`` and dropped
+    by ``drop`` (each names it ``{name}``); a server that does not answer is
+    ``service_missing``."""
+    base = make_url(base_url)
     try:
-        admin = create_engine(
-            base, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
-        )
+        admin = create_engine(base, connect_args={"connect_timeout": 3}, **engine_options)
         with admin.connect() as conn:
             conn.execute(text("SELECT 1"))
     except Exception as exc:
-        service_missing("PostgreSQL", f"{base.render_as_string(hide_password=True)}: {exc}")
+        service_missing(service, f"{base.render_as_string(hide_password=True)}: {exc}")
     name = f"idem_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
+        conn.execute(text(create.format(name=name)))
     try:
         yield base.set(database=name)
     finally:
         with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            conn.execute(text(drop.format(name=name)))
         admin.dispose()
 
 
@@ -185,22 +200,13 @@ MYSQL_BASE_URL = os.environ.get(
 @pytest.fixture(scope="session")
 def mysql_url() -> Iterator[URL]:
     """A private MariaDB/MySQL database for this test session (like ``pg_url``)."""
-    base = make_url(MYSQL_BASE_URL)
-    try:
-        admin = create_engine(base, connect_args={"connect_timeout": 3})
-        with admin.connect() as conn:
-            conn.execute(text("SELECT 1"))
-    except Exception as exc:
-        service_missing("MariaDB", f"{base.render_as_string(hide_password=True)}: {exc}")
-    name = f"idem_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
-    try:
-        yield base.set(database=name)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
-        admin.dispose()
+    with _session_database(
+        MYSQL_BASE_URL,
+        "MariaDB",
+        create="CREATE DATABASE `{name}` CHARACTER SET utf8mb4",
+        drop="DROP DATABASE IF EXISTS `{name}`",
+    ) as url:
+        yield url
 
 
 def _app_factory_on(make_app: Any, url: URL, table: str, created: list[Any]) -> Any:

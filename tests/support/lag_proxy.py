@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 
-from .gunicorn import free_port
+from .tcp_proxy import LoopbackProxy
 
 
 class _Pair:
@@ -47,59 +47,27 @@ class _Pair:
             sock.close()
 
 
-class LagProxy:
+class LagProxy(LoopbackProxy):
+    thread_name = "lag-proxy"
+
     def __init__(self, target_host: str, target_port: int, *, lag: float) -> None:
-        self.target = (target_host, target_port)
+        super().__init__(target_host, target_port)
         self.lag = lag
-        self.port = free_port()
-        self._listener: socket.socket | None = None
         self._pairs: set[_Pair] = set()
-        self._lock = threading.Lock()
-        self._open = threading.Event()
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
         #: Bytes of the server's dropped by cut() before they were delivered.
         self.dropped = 0
 
-    def start(self) -> LagProxy:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(64)
-        listener.settimeout(0.2)
-        self._listener = listener
-        self._open.set()
-        self._thread = threading.Thread(target=self._accept_loop, name="lag-proxy", daemon=True)
-        self._thread.start()
-        return self
-
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._stopped.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not self._open.is_set():
-                client.close()
-                continue
-            try:
-                upstream = socket.create_connection(self.target, timeout=3)
-                upstream.settimeout(None)
-            except OSError:
-                client.close()
-                continue
-            pair = _Pair(client, upstream)
-            with self._lock:
-                self._pairs.add(pair)
-            for target, name in (
-                (self._to_server, "lag-proxy-up"),
-                (self._from_server, "lag-proxy-down"),
-                (self._deliver, "lag-proxy-deliver"),
-            ):
-                threading.Thread(target=target, args=(pair,), name=name, daemon=True).start()
+    def _connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        upstream.settimeout(None)
+        pair = _Pair(client, upstream)
+        with self._lock:
+            self._pairs.add(pair)
+        for target, name in (
+            (self._to_server, "lag-proxy-up"),
+            (self._from_server, "lag-proxy-down"),
+            (self._deliver, "lag-proxy-deliver"),
+        ):
+            threading.Thread(target=target, args=(pair,), name=name, daemon=True).start()
 
     def _to_server(self, pair: _Pair) -> None:
         """The client's bytes, at once."""
@@ -161,14 +129,3 @@ class LagProxy:
             pairs = list(self._pairs)
         for pair in pairs:
             self._drop(pair)
-
-    def restore(self) -> None:
-        self._open.set()
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self.cut()
-        if self._listener is not None:
-            self._listener.close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tests.support.binaries import system_binary
 from tests.support.postgres_server import server_directory, unprivileged_user
+from tests.support.private_server import PrivateServer
 from tests.support.redis_server import free_port
 
 START_TIMEOUT = 60.0
@@ -65,7 +66,7 @@ def mariadb_binaries() -> tuple[str, str] | None:
     return None if server is None or install is None else (server, install)
 
 
-class MariaDBServer:
+class MariaDBServer(PrivateServer):
     """One private ``mariadbd``; ``start``/``kill``/``restart`` keep its data and port."""
 
     def __init__(
@@ -264,23 +265,3 @@ class MariaDBServer:
             shutil.rmtree(self.directory, ignore_errors=True)
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
-
-    def restart(self, *, crash: bool = False) -> MariaDBServer:
-        """Stop (or SIGKILL when ``crash``) and start again with the same data and port."""
-        if crash:
-            self.kill()
-        else:
-            self.stop(keep=True)
-        return self.start()
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def __enter__(self) -> MariaDBServer:  # noqa: PYI034 - not meant to be subclassed
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import URL
 
+from tests.support.private_server import log_tail
 from tests.support.redis_server import free_port
 
 BINARY_CANDIDATES = ("/usr/sbin/pgbouncer", "pgbouncer")
@@ -125,10 +126,7 @@ class PgBouncer:
         raise RuntimeError(f"pgbouncer on port {self.port} did not listen: {self.log()}")
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path)
 
     def stop(self) -> None:
         """SIGTERM (PgBouncer's immediate shutdown), then SIGKILL, by pid."""

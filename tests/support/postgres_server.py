@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tests.support.binaries import system_binary
+from tests.support.private_server import PrivateServer
 from tests.support.redis_server import free_port
 
 START_TIMEOUT = 60.0
@@ -157,7 +158,7 @@ def _alive(pid: int) -> bool:
     return state != b"Z"
 
 
-class PostgresServer:
+class PostgresServer(PrivateServer):
     """One private cluster; ``start``/``kill``/``restart`` keep its data and port."""
 
     def __init__(
@@ -342,24 +343,3 @@ class PostgresServer:
             self.process = None
         if self._temporary and not keep:
             shutil.rmtree(self.directory, ignore_errors=True)
-
-    def restart(self, *, crash: bool = False) -> PostgresServer:
-        """Stop (fast shutdown, or SIGKILL when ``crash``) and start again on the same port
-        with the same data; after :meth:`kill` it just starts."""
-        if crash:
-            self.kill()
-        else:
-            self.stop(keep=True)
-        return self.start()
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def __enter__(self) -> PostgresServer:  # noqa: PYI034 - not meant to be subclassed
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

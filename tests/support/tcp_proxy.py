@@ -15,30 +15,32 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .gunicorn import free_port
 
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; the suite runs on 3.10 too
+    from typing import Self
 
-class TcpProxy:
+
+class LoopbackProxy:
+    """What every proxy of the suite shares: a loopback listener on a free port, and an
+    accept loop that connects each client to the target and hands the pair on
+    (:meth:`_connected`); a client that comes while the proxy is cut is refused."""
+
+    #: The name of the accept loop's thread.
+    thread_name = "proxy"
+
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
         self.port = free_port()
         self._listener: socket.socket | None = None
-        self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._open = threading.Event()
         self._stopped = threading.Event()
-        self._stalled = threading.Event()
         self._thread: threading.Thread | None = None
-        self._marker: bytes | None = None
-        #: Reads from clients forwarded upstream: with a client that waits for each
-        #: answer before it sends again, one per round trip.
-        self.client_sends = 0
-        self._marker_skip = 0
-        self.cuts_after_reply = 0
 
-    def start(self) -> TcpProxy:
+    def start(self) -> Self:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", self.port))
@@ -46,7 +48,9 @@ class TcpProxy:
         listener.settimeout(0.2)
         self._listener = listener
         self._open.set()
-        self._thread = threading.Thread(target=self._accept_loop, name="tcp-proxy", daemon=True)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name=self.thread_name, daemon=True
+        )
         self._thread.start()
         return self
 
@@ -67,11 +71,48 @@ class TcpProxy:
             except OSError:
                 client.close()
                 continue
-            with self._lock:
-                self._connections.update((client, upstream))
-            threading.Thread(
-                target=self._pump, args=(client, upstream), name="tcp-proxy-pump", daemon=True
-            ).start()
+            self._connected(client, upstream)
+
+    def _connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        """Carry the bytes between a new client and its upstream connection."""
+        raise NotImplementedError
+
+    def cut(self) -> None:
+        """Drop every connection and refuse new ones until :meth:`restore`."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        self._open.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.cut()
+        if self._listener is not None:
+            self._listener.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class TcpProxy(LoopbackProxy):
+    thread_name = "tcp-proxy"
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        super().__init__(target_host, target_port)
+        self._connections: set[socket.socket] = set()
+        self._stalled = threading.Event()
+        self._marker: bytes | None = None
+        #: Reads from clients forwarded upstream: with a client that waits for each
+        #: answer before it sends again, one per round trip.
+        self.client_sends = 0
+        self._marker_skip = 0
+        self.cuts_after_reply = 0
+
+    def _connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        with self._lock:
+            self._connections.update((client, upstream))
+        threading.Thread(
+            target=self._pump, args=(client, upstream), name="tcp-proxy-pump", daemon=True
+        ).start()
 
     def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
         selector = selectors.DefaultSelector()
@@ -178,12 +219,4 @@ class TcpProxy:
 
     def restore(self) -> None:
         self._stalled.clear()
-        self._open.set()
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self.cut()
-        if self._listener is not None:
-            self._listener.close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        super().restore()
