@@ -291,9 +291,9 @@ class SentinelGroup:
     def failover(self) -> int:
         """Force a failover; the new master's port once the sentinels agree on it.
 
-        First until the group has settled (every sentinel knows the replica, and it is in
-        sync): right after the previous failover the old master may still be resyncing,
-        and a sentinel accepts the request (OK) only to abort it for want of a good replica.
+        First until the group has settled (:meth:`wait_settled`): right after the previous
+        failover the old master may still be resyncing, or a sentinel may still hold it for
+        a master, and the request is accepted (OK) only to be aborted.
         """
         self.wait_settled()
         before = self.master_port()
