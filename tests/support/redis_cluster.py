@@ -261,9 +261,9 @@ class SentinelGroup:
         The last part matters after a forced failover: the old master stays a master
         until a sentinel converts it, and that sentinel then still holds the role it
         last read (master) until its next ``INFO`` of the replica (a second here, 10 s by
-        default). A failover promoted inside that window is undone by it at once (its stale role is
-        older than the 8 s it waits before converting), and aborted, again and again
-        (``-failover-abort-slave-timeout``: CI's "the failover did not finish").
+        default). A failover promoted inside that window is undone by it at once (its
+        stale role is older than the 8 s it waits before converting), and aborted, again
+        and again (``-failover-abort-slave-timeout``: CI's "the failover did not finish").
         """
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
@@ -276,8 +276,8 @@ class SentinelGroup:
         raise RuntimeError("the sentinel group did not settle")
 
     def _sees_settled(self, sentinel: Node, replica: int, master: int) -> bool:
-        """Whether ``sentinel`` names ``master``, counts the two other sentinels, and last
-        read the replica's role as a replica of ``master``."""
+        """Whether ``sentinel`` counts the two other sentinels and last read the replica
+        (on port ``replica``) as a replica of ``master``."""
         if "num-other-sentinels\n2" not in sentinel.cli("SENTINEL", "master", self.service):
             return False
         lines = sentinel.cli("SENTINEL", "replicas", self.service).splitlines()
